@@ -1,0 +1,163 @@
+"""Build a bundle: load → trace → passes → save → validate against the source → manifest, atomically."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgec import __version__
+from edgec.bundle import atomic_folder, write_manifest
+from edgec.errors import BuildSettingsError
+from edgec.targets import Target, load_target
+
+STAGES = ("load", "export", "save", "validate", "bundle")
+VALIDATION_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    target: str = "cpu"
+    context: int | None = None  # cache capacity in tokens; None = the model's maximum
+    prefill_chunk: int | None = None  # None = the target's default
+    allow_pickle: bool = False
+    overwrite: bool = False
+
+
+def _check_settings(settings: BuildSettings) -> Target:
+    target = load_target(settings.target)
+    if settings.context is not None and settings.context < 1:
+        raise BuildSettingsError(f"--context must be a positive number of tokens, got {settings.context}")
+    if settings.prefill_chunk is not None and settings.prefill_chunk < 1:
+        raise BuildSettingsError(f"--prefill-chunk must be positive, got {settings.prefill_chunk}")
+    return target
+
+
+def resolve_context(settings: BuildSettings, config) -> int:
+    maximum = int(getattr(config, "max_position_embeddings", 0) or 0)
+    context = settings.context or maximum
+    if maximum and context > maximum:
+        raise BuildSettingsError(
+            f"--context {context} is longer than the model was trained for ({maximum}); use --context {maximum} or less"
+        )
+    if not context:
+        raise BuildSettingsError("the model config has no max_position_embeddings; pass --context")
+    return context
+
+
+def build(model_path: str | Path, output: str | Path, settings: BuildSettings, progress: Progress | None = None) -> dict:
+    """Compile ``model_path`` for ``settings.target`` into the bundle folder ``output``; returns the manifest."""
+    progress = progress or (lambda stage: None)
+    target = _check_settings(settings)
+    output = Path(output)
+    from edgec.load import inspect_source
+
+    inspect_source(model_path, settings.allow_pickle)  # fail fast, before the output folder is touched
+    with atomic_folder(output, settings.overwrite) as folder:
+        return _build_into(Path(model_path), folder, target, settings, progress)
+
+
+def _build_into(model_path: Path, folder: Path, target: Target, settings: BuildSettings, progress: Progress) -> dict:
+    import onnx_ir as ir
+
+    from edgec.chat_template import chat_format_from_tokenizer
+    from edgec.export import cache_spec_for, export_step
+    from edgec.load import load_model
+
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    progress("load")
+    loaded = load_model(model_path, settings.allow_pickle)
+    context = resolve_context(settings, loaded.config)
+    spec = cache_spec_for(loaded.config, context)
+    prompts = [loaded.tokenizer(text)["input_ids"] for text in VALIDATION_PROMPTS]
+    reference_logits = _torch_last_logits(loaded.causal_lm, prompts)
+    generation = _generation_defaults(loaded)
+    timings["load_s"] = time.perf_counter() - start
+
+    progress("export")
+    start = time.perf_counter()
+    model = export_step(loaded.causal_lm, spec)
+    timings["export_s"] = time.perf_counter() - start
+    del loaded.causal_lm
+
+    progress("save")
+    start = time.perf_counter()
+    ir.save(model, folder / "model.onnx", external_data="model.onnx.data")
+    del model
+    loaded.tokenizer.save_pretrained(folder)
+    chat_format, chat_note = chat_format_from_tokenizer(loaded.tokenizer)
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    timings["save_s"] = time.perf_counter() - start
+
+    progress("validate")
+    start = time.perf_counter()
+    prefill_chunk = settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512))
+    validation = _validate(folder, spec, prompts, reference_logits)
+    timings["validate_s"] = time.perf_counter() - start
+
+    progress("bundle")
+    manifest = {
+        "edgec_version": __version__,
+        "source": loaded.source,
+        "target": target.to_json(),
+        "build_settings": {**asdict(settings), "context": context, "prefill_chunk": prefill_chunk},
+        "runtime": {"library": "onnxruntime", "min_version": "1.20", "providers": ["CPUExecutionProvider"]},
+        "model": {
+            "file": "model.onnx",
+            "vocab_size": int(loaded.config.vocab_size),
+            "num_layers": len(spec.layers),
+            "context": context,
+        },
+        "cache": {**spec.to_json(), "bytes_per_token": spec.bytes_per_token(), "total_bytes": spec.total_bytes()},
+        "tokenizer": {"file": "tokenizer.json", "chat_format": chat_format.to_json() if chat_format else None,
+                      "chat_note": chat_note},
+        "generation": generation,
+        "validation": validation,
+        "build_timings": {key: round(value, 2) for key, value in timings.items()},
+    }
+    return write_manifest(folder, manifest)
+
+
+def _torch_last_logits(causal_lm, prompts: list[list[int]]) -> list[np.ndarray]:
+    import torch
+
+    with torch.no_grad():
+        return [causal_lm(torch.tensor([ids])).logits[0, -1].float().numpy() for ids in prompts]
+
+
+def _generation_defaults(loaded) -> dict[str, Any]:
+    config = getattr(loaded.causal_lm, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None) if config is not None else None
+    if eos is None:
+        eos = loaded.tokenizer.eos_token_id
+    eos_ids = sorted({int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None})
+    bos = loaded.tokenizer.bos_token_id
+    return {"eos_token_ids": eos_ids, "bos_token_id": None if bos is None else int(bos)}
+
+
+def _validate(folder: Path, spec, prompts: list[list[int]], reference: list[np.ndarray]) -> dict[str, Any]:
+    """Run the saved graph on the validation prompts and compare with the source model's logits."""
+    from edgec.runtime.backend_ort import OrtStep
+
+    step = OrtStep(folder / "model.onnx", spec, providers=["CPUExecutionProvider"])
+    errors, agree = [], []
+    for ids, expected in zip(prompts, reference, strict=True):
+        step.reset()
+        logits = step.run(np.asarray(ids, dtype=np.int64), 0, last_only=True)[-1]
+        errors.append(float(np.abs(logits - expected).max()))
+        agree.append(bool(int(logits.argmax()) == int(expected.argmax())))
+    np.savez(folder / "validation.npz", **{f"ids_{i}": np.asarray(p) for i, p in enumerate(prompts)},
+             **{f"logits_{i}": r for i, r in enumerate(reference)})
+    return {
+        "prompts": len(prompts),
+        "max_abs_logit_error": max(errors),
+        "top1_agreement": sum(agree) / len(agree),
+        "reference": "validation.npz (token ids and the source model's last-position logits)",
+    }

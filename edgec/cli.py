@@ -1,0 +1,147 @@
+"""edgec command line: parse, call one function, print. No logic lives here."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import click
+
+from edgec.errors import EdgecError
+
+
+class _Group(click.Group):
+    """Turns any EdgecError into one line on stderr and exit code 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except EdgecError as error:
+            click.echo(f"error: {error}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="edgec")
+def main() -> None:
+    """Compile a decoder-only language model into a bundle that runs offline on one target."""
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--target", "-t", default="cpu", show_default=True, help="Target name (see targets/).")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Bundle folder to write.")
+@click.option("--context", type=int, default=None, help="Cache capacity in tokens [default: the model's maximum].")
+@click.option("--prefill-chunk", type=int, default=None, help="Prompt tokens per prefill step [default: target's].")
+@click.option("--allow-pickle", is_flag=True, help="Accept pickle (*.bin) weights; pickle can run arbitrary code.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing bundle at -o.")
+def build(model, target, output, context, prefill_chunk, allow_pickle, overwrite) -> None:
+    """Build a bundle from a Hugging Face folder or a .gguf file.
+
+    \b
+    Example:
+      edgec build ./SmolLM2-135M-Instruct.Q4_1.gguf --target cpu -o smol.cpu.edgec --context 4096
+    """
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from edgec.build import STAGES, BuildSettings
+    from edgec.build import build as run_build
+
+    settings = BuildSettings(
+        target=target, context=context, prefill_chunk=prefill_chunk, allow_pickle=allow_pickle, overwrite=overwrite
+    )
+    columns = (TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn())
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task("starting", total=len(STAGES))
+
+        def advance(stage: str) -> None:
+            progress.update(task, description=stage, completed=STAGES.index(stage))
+
+        manifest = run_build(model, output, settings, progress=advance)
+        progress.update(task, description="done", completed=len(STAGES))
+    validation = manifest["validation"]
+    click.echo(
+        f"wrote {output} (validation: top-1 agreement {validation['top1_agreement']:.0%}, "
+        f"max |Δlogit| {validation['max_abs_logit_error']:.2e})"
+    )
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.argument("prompt")
+@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat format.")
+def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat) -> None:
+    """Generate text from a bundle, streaming to the terminal.
+
+    \b
+    Example:
+      edgec run smol.cpu.edgec "Explain KV caches in one sentence." --chat
+    """
+    from edgec.runtime import Model
+
+    model = Model.load(bundle)
+    pieces = model.generate(prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_k=top_k, top_p=top_p, seed=seed, stream=True)
+    for piece in pieces:
+        click.echo(piece, nl=False)
+    click.echo()
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+def inspect(bundle) -> None:
+    """Summarise a bundle: source, target, cache, op types, file sizes.
+
+    \b
+    Example:
+      edgec inspect smol.cpu.edgec
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from edgec.bundle import read_manifest
+
+    manifest = read_manifest(bundle)
+    console = Console()
+    source, cache, settings = manifest["source"], manifest["cache"], manifest["build_settings"]
+    console.print(f"[bold]{bundle}[/bold]  format v{manifest['format_version']}, edgec {manifest['edgec_version']}")
+    console.print(f"source: {source['name']} ({source['model_type']}, {source['kind']})")
+    console.print(f"target: {manifest['target']['name']} ({manifest['target']['runtime']})")
+    console.print(f"context: {settings['context']} tokens, prefill chunk {settings['prefill_chunk']}")
+    console.print(
+        f"cache: {cache['dtype']}, {len(cache['layers'])} layers, {cache['bytes_per_token']:,} bytes/token, "
+        f"{cache['total_bytes'] / 2**20:,.1f} MiB at full capacity"
+    )
+    validation = manifest["validation"]
+    console.print(
+        f"validation: top-1 agreement {validation['top1_agreement']:.0%}, "
+        f"max |Δlogit| {validation['max_abs_logit_error']:.2e} on {validation['prompts']} prompts"
+    )
+    console.print(f"chat: {'yes' if manifest['tokenizer']['chat_format'] else 'no'} ({manifest['tokenizer']['chat_note']})")
+    ops = _op_histogram(Path(bundle) / manifest["model"]["file"])
+    table = Table("op type", "count", title="graph ops (top level)")
+    for op, count in ops.most_common():
+        table.add_row(op, str(count))
+    console.print(table)
+    files = Table("file", "bytes", "sha256", title="files")
+    for name, entry in manifest["files"].items():
+        files.add_row(name, f"{entry['size']:,}", entry["sha256"][:16])
+    console.print(files)
+
+
+def _op_histogram(model_path: Path) -> Counter:
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    return Counter(f"{node.domain}::{node.op_type}" if node.domain else node.op_type for node in model.graph.node)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""torch model → ONNX IR of one decode/prefill *step*, with one ``ai.edgec::KVAttention`` node per layer.
+
+The step: (input_ids [B,T], position_ids [B,T], logits_index [N], cache state) → (logits [B,N,V], new
+cache state). ``logits_index`` picks the positions whose logits are computed, so generation pays for the
+lm_head on one position while scoring (``Model.logprobs``) asks for all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import onnx_ir as ir
+import torch
+
+from edgec.kvcache import CacheSpec, LayerCache, torch_op
+from edgec.kvcache import function as kv_function
+
+OPSET = 21
+
+
+@dataclass(frozen=True)
+class StepIO:
+    """Graph input/output names of the step, in order."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def layer_windows(config) -> list[int]:
+    """Sliding window per layer (0 = global attention)."""
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None) or 0
+    if layer_types:
+        return [window if kind == "sliding_attention" else 0 for kind in layer_types]
+    return [0] * config.num_hidden_layers
+
+
+def cache_spec_for(config, capacity: int) -> CacheSpec:
+    """Slots per layer: global layers get ``capacity``; sliding-window layers never need more than their window
+    plus the longest chunk, but with no eviction yet they also take ``capacity`` (exact either way)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return CacheSpec(
+        layers=tuple(
+            LayerCache(layer=i, num_kv_heads=kv_heads, head_dim=head_dim, capacity=capacity, window=window)
+            for i, window in enumerate(layer_windows(config))
+        )
+    )
+
+
+class StepModule(torch.nn.Module):
+    """Wraps a ``*ForCausalLM`` into the step function that is traced."""
+
+    def __init__(self, causal_lm: torch.nn.Module, spec: CacheSpec) -> None:
+        super().__init__()
+        self.causal_lm = causal_lm
+        self.windows = [layer.window for layer in spec.layers]
+
+    def forward(self, input_ids, position_ids, logits_index, *caches):
+        router = torch_op.CacheRouter(caches, self.windows)
+        hidden = self.causal_lm.model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, edgec_cache=router
+        ).last_hidden_state
+        logits = self.causal_lm.lm_head(hidden.index_select(1, logits_index))
+        return (logits.float(), *router.flat_new())
+
+
+def empty_cache(spec: CacheSpec, batch: int = 1, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    tensors = []
+    for layer in spec.layers:
+        shape = (batch, layer.num_kv_heads, layer.capacity, layer.head_dim)
+        tensors += [torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)]
+        tensors.append(torch.full(shape[:3], -1, dtype=torch.int64))
+    return tensors
+
+
+def step_io(spec: CacheSpec) -> StepIO:
+    inputs = ["input_ids", "position_ids", "logits_index"]
+    outputs = ["logits"]
+    for layer in spec.layers:
+        inputs += layer.input_names()
+        outputs += layer.output_names()
+    return StepIO(tuple(inputs), tuple(outputs))
+
+
+def prepare_model(causal_lm: torch.nn.Module) -> torch.nn.Module:
+    """Route the model's attention through KVAttention."""
+    causal_lm.config._attn_implementation = torch_op.register_attention()
+    for module in causal_lm.modules():
+        config = getattr(module, "config", None)
+        if config is not None and config is not causal_lm.config:
+            config._attn_implementation = torch_op.ATTENTION_NAME
+    return causal_lm.eval()
+
+
+def export_step(causal_lm: torch.nn.Module, spec: CacheSpec) -> ir.Model:
+    """Trace the step function and return the ONNX IR model with the KVAttention function attached."""
+    prepare_model(causal_lm)
+    step = StepModule(causal_lm, spec).eval()
+    io = step_io(spec)
+    example_len = 3
+    args = (
+        torch.zeros((1, example_len), dtype=torch.int64),
+        torch.arange(example_len, dtype=torch.int64)[None],
+        torch.arange(example_len, dtype=torch.int64),
+        *empty_cache(spec),
+    )
+    seq = torch.export.Dim("seq", min=1, max=max(spec.capacity, 2))
+    n_logits = torch.export.Dim("n_logits", min=1, max=max(spec.capacity, 2))
+    dynamic_shapes = {
+        "input_ids": {1: seq},
+        "position_ids": {1: seq},
+        "logits_index": {0: n_logits},
+        "caches": tuple([None] * len(spec.layers) * 3),
+    }
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        # torch.onnx.export rewrites a tuple of dynamic shapes into a list that torch.export then rejects for
+        # *caches, so the program is exported first and handed over.
+        exported = torch.export.export(step, args, dynamic_shapes=dynamic_shapes, strict=False)
+        program = torch.onnx.export(
+            exported,
+            dynamo=True,
+            input_names=list(io.inputs),
+            output_names=list(io.outputs),
+            opset_version=OPSET,
+            custom_translation_table=torch_op.ONNX_TRANSLATIONS,
+            optimize=True,
+            verbose=False,
+        )
+    model = program.model
+    attach_kv_function(model)
+    return model
+
+
+def attach_kv_function(model: ir.Model) -> None:
+    """Give the model the KVAttention function body (the exporter inlines functions, so it is added after)."""
+    default_opset = model.opset_imports.get("", OPSET)
+    function_proto = kv_function.make_function(default_opset)
+    ir_function = ir.serde.deserialize_function(function_proto)
+    model.functions[ir_function.identifier()] = ir_function
+    model.opset_imports[kv_function.DOMAIN] = kv_function.OPSET_VERSION

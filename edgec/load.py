@@ -1,0 +1,182 @@
+"""Model folder or GGUF file on local disk → torch model + tokenizer. Never touches a hub.
+
+Everything a user can get wrong (missing path, no config, pickle-only weights, damaged safetensors, an
+architecture edgec cannot compile) is caught here *before* the heavy load, with an error that says what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgec.errors import ModelLoadError, UnsupportedModelError
+
+# model_type → the transformers class that edgec traces. Other decoder-only families join as they are tested.
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM"}
+# GGUF general.architecture → transformers model_type
+GGUF_ARCHITECTURES = {"llama": "llama"}
+
+
+@dataclass
+class LoadedModel:
+    """A loaded source model and what the bundle must record about where it came from."""
+
+    causal_lm: Any  # transformers PreTrainedModel
+    tokenizer: Any  # transformers PreTrainedTokenizerFast
+    config: Any
+    source: dict[str, Any] = field(default_factory=dict)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _set_offline() -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+def _supported_names() -> str:
+    return ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+
+
+def check_model_type(model_type: str | None, architectures: list[str] | None = None) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"architecture {model_type!r} ({', '.join(architectures or []) or 'unknown class'}) is not supported; "
+            f"edgec compiles decoder-only models of these families: {_supported_names()}"
+        )
+
+
+def inspect_source(path: str | Path, allow_pickle: bool = False) -> dict[str, Any]:
+    """Validate a model path without loading weights; returns what kind of source it is."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf; give a Hugging Face model folder or a .gguf file")
+        return _inspect_gguf(path)
+    return _inspect_folder(path, allow_pickle)
+
+
+def _inspect_gguf(path: Path) -> dict[str, Any]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        field_ = reader.fields["general.architecture"]
+        architecture = bytes(field_.parts[field_.data[0]]).decode()
+    except Exception as error:  # any parse failure is a damaged or foreign file
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(error).__name__}: {error})") from None
+    if architecture not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {architecture!r} in {path.name} is not supported; supported: "
+            f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    return {"kind": "gguf", "path": path, "model_type": GGUF_ARCHITECTURES[architecture]}
+
+
+def _inspect_folder(path: Path, allow_pickle: bool) -> dict[str, Any]:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{path} has no config.json; give a Hugging Face model folder or a .gguf file")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ModelLoadError(f"{config_path} is not valid JSON: {error}") from None
+    check_model_type(config.get("model_type"), config.get("architectures"))
+    safetensors_files = sorted(path.glob("*.safetensors"))
+    pickle_files = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt")) + sorted(path.glob("*.pth"))
+    if not safetensors_files:
+        if not pickle_files:
+            raise ModelLoadError(f"{path} has no weights (*.safetensors)")
+        if not allow_pickle:
+            raise ModelLoadError(
+                f"{path} has only pickle weights ({pickle_files[0].name}); loading pickle can run arbitrary code. "
+                "Convert them to safetensors, or pass --allow-pickle if you trust the source"
+            )
+    for weights in safetensors_files:
+        _check_safetensors(weights)
+    return {
+        "kind": "folder",
+        "path": path,
+        "model_type": config["model_type"],
+        "weights": safetensors_files or pickle_files,
+    }
+
+
+def _check_safetensors(path: Path) -> None:
+    """Header parses and every tensor lies inside the file: catches truncation and garbage early."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError("header length out of range")
+            header = json.loads(handle.read(header_len))
+        end = max((meta["data_offsets"][1] for name, meta in header.items() if name != "__metadata__"), default=0)
+        if 8 + header_len + end != size:
+            raise ValueError(f"data ends at byte {8 + header_len + end} but the file has {size}")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+        raise ModelLoadError(f"{path.name} is not a valid safetensors file ({error}); re-download or re-save it") from None
+
+
+def load_model(path: str | Path, allow_pickle: bool = False) -> LoadedModel:
+    """Load a model folder or GGUF file in fp32, offline."""
+    _set_offline()
+    info = inspect_source(path, allow_pickle)
+    import torch
+    import transformers
+
+    path = Path(path)
+    if info["kind"] == "gguf":
+        kwargs = {"gguf_file": path.name}
+        where = path.parent
+    else:
+        kwargs = {}
+        where = path
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(where, local_files_only=True, **kwargs)
+    except Exception as error:
+        raise ModelLoadError(f"cannot load a tokenizer from {path} ({type(error).__name__}: {error})") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise ModelLoadError(f"the tokenizer of {path} has no fast (tokenizer.json) form, which the runtime needs")
+    try:
+        causal_lm = transformers.AutoModelForCausalLM.from_pretrained(
+            where, local_files_only=True, dtype=torch.float32, use_safetensors=None if allow_pickle else True, **kwargs
+        )
+    except Exception as error:
+        raise ModelLoadError(f"cannot load the weights of {path} ({type(error).__name__}: {error})") from None
+    config = causal_lm.config
+    check_model_type(config.model_type, getattr(config, "architectures", None))
+    return LoadedModel(causal_lm=causal_lm, tokenizer=tokenizer, config=config, source=_source_record(info, config))
+
+
+def _source_record(info: dict[str, Any], config) -> dict[str, Any]:
+    path: Path = info["path"]
+    config_json = json.dumps(config.to_diff_dict(), sort_keys=True).encode()
+    if info["kind"] == "gguf":
+        weights = {path.name: sha256_file(path)}
+        config_sha = hashlib.sha256(config_json).hexdigest()
+        name = path.stem
+    else:
+        weights = {file.name: sha256_file(file) for file in info["weights"]}
+        config_sha = sha256_file(path / "config.json")
+        name = getattr(config, "_name_or_path", "") or path.name
+        name = Path(name).name or path.name
+    return {
+        "name": name,
+        "kind": info["kind"],
+        "model_type": config.model_type,
+        "config_sha256": config_sha,
+        "weights_sha256": weights,
+    }

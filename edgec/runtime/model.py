@@ -1,0 +1,229 @@
+"""``Model``: load a bundle and generate text. Imports numpy, onnxruntime and tokenizers only."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgec.bundle import read_manifest, verify_hashes
+from edgec.errors import BundleError, GenerationError
+from edgec.kvcache.spec import CacheSpec
+from edgec.runtime.chat import ChatFormat
+from edgec.runtime.sampling import choose_token
+from edgec.runtime.tokenizer import BundleTokenizer
+
+Prompt = str | Sequence[int]
+
+
+class Model:
+    """A loaded bundle.
+
+    Errors: ``BundleError`` when the bundle cannot be used; ``GenerationError`` (a ``ValueError``) for bad
+    arguments: empty prompt, token ids outside the vocabulary, a prompt longer than the context, negative
+    ``max_new_tokens``, ``temperature`` that is negative or not finite, ``top_p`` outside (0, 1], negative
+    ``top_k``; ``TypeError`` for arguments of the wrong type.
+    """
+
+    def __init__(self, path: Path, manifest: dict[str, Any], threads: int | None = None) -> None:
+        from edgec.runtime.backend_ort import OrtStep
+
+        self.path = path
+        self.manifest = manifest
+        self.cache_spec = CacheSpec.from_json(manifest["cache"])
+        self.context = int(manifest["model"]["context"])
+        self.vocab_size = int(manifest["model"]["vocab_size"])
+        self.prefill_chunk = int(manifest["build_settings"]["prefill_chunk"])
+        self.eos_token_ids = set(manifest["generation"]["eos_token_ids"])
+        chat = manifest["tokenizer"].get("chat_format")
+        self.tokenizer = BundleTokenizer(
+            path / manifest["tokenizer"]["file"],
+            ChatFormat.from_json(chat) if chat else None,
+            manifest["tokenizer"].get("chat_note", ""),
+        )
+        providers = manifest["runtime"].get("providers", ["CPUExecutionProvider"])
+        self._step = OrtStep(path / manifest["model"]["file"], self.cache_spec, providers=providers, threads=threads)
+
+    @classmethod
+    def load(cls, path: str | Path, threads: int | None = None, check_hashes: bool = False) -> Model:
+        """Open a bundle folder. File presence and sizes are always checked; ``check_hashes`` also checks every
+        sha256 (slower: reads every byte)."""
+        path = Path(path)
+        manifest = read_manifest(path)
+        if check_hashes and (bad := verify_hashes(path, manifest)):
+            raise BundleError(f"{', '.join(bad)} in {path} differ from the manifest (sha256): damaged or tampered")
+        return cls(path, manifest, threads)
+
+    # --- prompts -----------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def _prompt_ids(self, prompt: Prompt | None, messages: list[dict] | None, chat: bool) -> np.ndarray:
+        if messages is not None:
+            if prompt is not None:
+                raise GenerationError("pass either a prompt or messages, not both")
+            ids = self.tokenizer.encode_chat(messages)
+        elif isinstance(prompt, str):
+            if chat:
+                ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            else:
+                ids = self.tokenizer.encode(prompt)
+        elif prompt is None:
+            raise GenerationError("give a prompt (text or token ids) or messages")
+        else:
+            ids = self._check_ids(prompt)
+        if len(ids) == 0:
+            raise GenerationError("the prompt is empty")
+        if len(ids) > self.context:
+            raise GenerationError(
+                f"the prompt has {len(ids)} tokens but this bundle's context is {self.context}; "
+                "shorten it or rebuild with a larger --context"
+            )
+        return np.asarray(ids, dtype=np.int64)
+
+    def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        if isinstance(ids, np.ndarray):
+            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+                raise TypeError("token ids must be a 1-D sequence of ints")
+            ids = ids.tolist()
+        if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
+            raise TypeError(f"prompt must be a str or a sequence of token ids, not {type(ids).__name__}")
+        if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+            raise TypeError("token ids must be ints")
+        ids = [int(i) for i in ids]
+        if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
+            raise GenerationError(f"token ids must lie in [0, {self.vocab_size}); got {min(ids)}..{max(ids)}")
+        return ids
+
+    # --- running -----------------------------------------------------------------------------------------
+    def _prefill(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
+        """Feed the prompt in chunks through the real cache path; logits of the last (or every) position."""
+        self._step.reset()
+        pieces = []
+        for start in range(0, len(ids), self.prefill_chunk):
+            chunk = ids[start : start + self.prefill_chunk]
+            is_last = start + len(chunk) == len(ids)
+            logits = self._step.run(chunk, start, last_only=not all_logits)
+            if all_logits or is_last:
+                pieces.append(logits)
+        return np.concatenate(pieces) if all_logits else pieces[-1]
+
+    def logprobs(self, token_ids: Sequence[int]) -> np.ndarray:
+        """log P(token_ids[i+1] | token_ids[:i+1]) for each i, as the runtime computes it (float64, length n-1)."""
+        ids = self._prompt_ids(token_ids, None, False) if not isinstance(token_ids, str) else None
+        if ids is None:
+            raise TypeError("logprobs takes token ids; use model.encode(text) first")
+        if len(ids) < 2:
+            raise GenerationError("logprobs needs at least two tokens")
+        logits = self._prefill(ids, all_logits=True)[:-1].astype(np.float64)
+        peak = logits.max(axis=-1, keepdims=True)
+        log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
+        return logits[np.arange(len(ids) - 1), ids[1:]] - log_norm
+
+    def generate_ids(
+        self,
+        prompt: Prompt | None = None,
+        *,
+        messages: list[dict] | None = None,
+        chat: bool = False,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Iterator[int]:
+        """Yield new token ids one by one (greedy when temperature is 0); stops at EOS, after
+        ``max_new_tokens`` or when the context is full."""
+        _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+        ids = self._prompt_ids(prompt, messages, chat)
+        return self._token_stream(ids, max_new_tokens, temperature, top_k, top_p, seed)
+
+    def _token_stream(self, ids, max_new_tokens, temperature, top_k, top_p, seed) -> Iterator[int]:
+        if max_new_tokens == 0:
+            return
+        rng = np.random.default_rng(seed)
+        logits = self._prefill(ids, all_logits=False)[-1]
+        position = len(ids)
+        step = np.empty(1, np.int64)
+        for produced in range(max_new_tokens):
+            token = choose_token(logits, temperature, top_k, top_p, rng)
+            yield token
+            if token in self.eos_token_ids or produced + 1 == max_new_tokens or position >= self.context:
+                return
+            step[0] = token
+            logits = self._step.run(step, position, last_only=True)[-1]
+            position += 1
+
+    def generate(
+        self,
+        prompt: Prompt | None = None,
+        *,
+        messages: list[dict] | None = None,
+        chat: bool = False,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] | str | None = None,
+        stream: bool = False,
+    ) -> str | Iterator[str]:
+        """Generate text. ``prompt`` is text or token ids; ``messages`` (or ``chat=True`` with a text prompt)
+        applies the bundle's chat format. ``stop`` strings end generation (not included in the result).
+        With ``stream=True`` returns an iterator of text pieces as they decode."""
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise GenerationError("stop must be a non-empty string or a list of them")
+        tokens = self.generate_ids(
+            prompt, messages=messages, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed,
+        )
+        pieces = _cut_at_stops(self.tokenizer.stream(t for t in tokens if t not in self.eos_token_ids), stops)
+        return pieces if stream else "".join(pieces)
+
+
+def _check_sampling(max_new_tokens, temperature, top_k, top_p, seed) -> None:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+        raise TypeError("max_new_tokens must be an int")
+    if max_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+        raise TypeError("temperature must be a number")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise GenerationError(f"temperature must be finite and ≥ 0, got {temperature}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool):
+        raise TypeError("top_k must be an int")
+    if top_k < 0:
+        raise GenerationError(f"top_k must be ≥ 0 (0 = off), got {top_k}")
+    if not isinstance(top_p, (int, float)) or isinstance(top_p, bool):
+        raise TypeError("top_p must be a number")
+    if not 0 < top_p <= 1:
+        raise GenerationError(f"top_p must lie in (0, 1], got {top_p}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise GenerationError("seed must be a non-negative int or None")
+
+
+def _cut_at_stops(pieces: Iterator[str], stops: list[str]) -> Iterator[str]:
+    """Pass text through until a stop string appears; hold back just enough to never emit part of one."""
+    if not stops:
+        yield from pieces
+        return
+    hold = max(len(s) for s in stops) - 1
+    pending = ""
+    for piece in pieces:
+        pending += piece
+        hits = [pending.find(s) for s in stops if s in pending]
+        if hits:
+            yield pending[: min(hits)]
+            return
+        if len(pending) > hold:
+            cut = len(pending) - hold
+            yield pending[:cut]
+            pending = pending[cut:]
+    yield pending

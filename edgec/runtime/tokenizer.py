@@ -1,0 +1,47 @@
+"""The bundle's tokenizer (``tokenizers`` only) with chat formatting and streaming detokenization."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from edgec.errors import GenerationError
+from edgec.runtime.chat import ChatFormat
+
+
+class BundleTokenizer:
+    def __init__(self, path: Path, chat_format: ChatFormat | None, chat_note: str = "") -> None:
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.chat_format = chat_format
+        self.chat_note = chat_note
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if self.chat_format is None:
+            raise GenerationError(f"this bundle has no chat format ({self.chat_note}); pass a plain prompt")
+        # the rendered text already carries the template's special tokens (BOS included where it has one)
+        return self.encode(self.chat_format.render(messages), add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        return [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+    def stream(self, ids: Iterator[int]) -> Iterator[str]:
+        """Yield text pieces as tokens arrive. Decoding a short window around the new token (not the whole
+        text each time) keeps this O(1) per token; a piece is held back while it ends in a partial character."""
+        tokens: list[int] = []
+        prefix_offset = read_offset = 0
+        for token in ids:
+            tokens.append(token)
+            prefix_text = self.decode(tokens[prefix_offset:read_offset])
+            new_text = self.decode(tokens[prefix_offset:])
+            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+                yield new_text[len(prefix_text) :]
+                prefix_offset, read_offset = read_offset, len(tokens)
