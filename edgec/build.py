@@ -51,7 +51,9 @@ def resolve_context(settings: BuildSettings, config) -> int:
     return context
 
 
-def build(model_path: str | Path, output: str | Path, settings: BuildSettings, progress: Progress | None = None) -> dict:
+def build(
+    model_path: str | Path, output: str | Path, settings: BuildSettings, progress: Progress | None = None
+) -> dict:
     """Compile ``model_path`` for ``settings.target`` into the bundle folder ``output``; returns the manifest."""
     progress = progress or (lambda stage: None)
     target = _check_settings(settings)
@@ -116,8 +118,11 @@ def _build_into(model_path: Path, folder: Path, target: Target, settings: BuildS
             "context": context,
         },
         "cache": {**spec.to_json(), "bytes_per_token": spec.bytes_per_token(), "total_bytes": spec.total_bytes()},
-        "tokenizer": {"file": "tokenizer.json", "chat_format": chat_format.to_json() if chat_format else None,
-                      "chat_note": chat_note},
+        "tokenizer": {
+            "file": "tokenizer.json",
+            "chat_format": chat_format.to_json() if chat_format else None,
+            "chat_note": chat_note,
+        },
         "generation": generation,
         "validation": validation,
         "build_timings": {key: round(value, 2) for key, value in timings.items()},
@@ -153,8 +158,11 @@ def _validate(folder: Path, spec, prompts: list[list[int]], reference: list[np.n
         logits = step.run(np.asarray(ids, dtype=np.int64), 0, last_only=True)[-1]
         errors.append(float(np.abs(logits - expected).max()))
         agree.append(bool(int(logits.argmax()) == int(expected.argmax())))
-    np.savez(folder / "validation.npz", **{f"ids_{i}": np.asarray(p) for i, p in enumerate(prompts)},
-             **{f"logits_{i}": r for i, r in enumerate(reference)})
+    np.savez(
+        folder / "validation.npz",
+        **{f"ids_{i}": np.asarray(p) for i, p in enumerate(prompts)},
+        **{f"logits_{i}": r for i, r in enumerate(reference)},
+    )
     return {
         "prompts": len(prompts),
         "max_abs_logit_error": max(errors),

@@ -51,8 +51,12 @@ def build(model, target, output, context, prefill_chunk, allow_pickle, overwrite
     settings = BuildSettings(
         target=target, context=context, prefill_chunk=prefill_chunk, allow_pickle=allow_pickle, overwrite=overwrite
     )
-    columns = (TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description:<10}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, transient=False) as progress:
         task = progress.add_task("starting", total=len(STAGES))
 
@@ -87,8 +91,16 @@ def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat) -
     from edgec.runtime import Model
 
     model = Model.load(bundle)
-    pieces = model.generate(prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_k=top_k, top_p=top_p, seed=seed, stream=True)
+    pieces = model.generate(
+        prompt,
+        chat=chat,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stream=True,
+    )
     for piece in pieces:
         click.echo(piece, nl=False)
     click.echo()
@@ -124,7 +136,9 @@ def inspect(bundle) -> None:
         f"validation: top-1 agreement {validation['top1_agreement']:.0%}, "
         f"max |Δlogit| {validation['max_abs_logit_error']:.2e} on {validation['prompts']} prompts"
     )
-    console.print(f"chat: {'yes' if manifest['tokenizer']['chat_format'] else 'no'} ({manifest['tokenizer']['chat_note']})")
+    console.print(
+        f"chat: {'yes' if manifest['tokenizer']['chat_format'] else 'no'} ({manifest['tokenizer']['chat_note']})"
+    )
     ops = _op_histogram(Path(bundle) / manifest["model"]["file"])
     table = Table("op type", "count", title="graph ops (top level)")
     for op, count in ops.most_common():

@@ -127,7 +127,9 @@ def _check_safetensors(path: Path) -> None:
         if 8 + header_len + end != size:
             raise ValueError(f"data ends at byte {8 + header_len + end} but the file has {size}")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
-        raise ModelLoadError(f"{path.name} is not a valid safetensors file ({error}); re-download or re-save it") from None
+        raise ModelLoadError(
+            f"{path.name} is not a valid safetensors file ({error}); re-download or re-save it"
+        ) from None
 
 
 def load_model(path: str | Path, allow_pickle: bool = False) -> LoadedModel:

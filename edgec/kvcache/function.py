@@ -23,7 +23,9 @@ ATTRIBUTES = ("scale", "window")
 
 
 def _const_i64(name: str, values: list[int]) -> onnx.NodeProto:
-    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [len(values)], values))
+    return helper.make_node(
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
+    )
 
 
 def _scalar_i64(name: str, value: int) -> onnx.NodeProto:
@@ -133,10 +135,11 @@ def make_schema() -> onnx.defs.OpSchema:
         OP_TYPE,
         DOMAIN,
         OPSET_VERSION,
-        inputs=[onnx.defs.OpSchema.FormalParameter(name, "T" if name in ("q", "k", "v", "k_cache", "v_cache") else "I") for name in INPUTS],
-        outputs=[
-            onnx.defs.OpSchema.FormalParameter(name, "I" if name == "pos_cache_out" else "T") for name in OUTPUTS
+        inputs=[
+            onnx.defs.OpSchema.FormalParameter(name, "T" if name in ("q", "k", "v", "k_cache", "v_cache") else "I")
+            for name in INPUTS
         ],
+        outputs=[onnx.defs.OpSchema.FormalParameter(name, "I" if name == "pos_cache_out" else "T") for name in OUTPUTS],
         type_constraints=[
             ("T", ["tensor(float)", "tensor(float16)"], "compute dtype"),
             ("I", ["tensor(int64)"], "positions"),

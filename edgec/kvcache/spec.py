@@ -40,9 +40,7 @@ class CacheSpec:
 
     def total_bytes(self) -> int:
         itemsize = {"float32": 4, "float16": 2}[self.dtype]
-        return sum(
-            layer.num_kv_heads * layer.capacity * (2 * layer.head_dim * itemsize + 8) for layer in self.layers
-        )
+        return sum(layer.num_kv_heads * layer.capacity * (2 * layer.head_dim * itemsize + 8) for layer in self.layers)
 
     def to_json(self) -> dict:
         return {"dtype": self.dtype, "layers": [asdict(layer) for layer in self.layers]}

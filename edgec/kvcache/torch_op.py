@@ -34,7 +34,9 @@ def kv_attention(
     index = slots[:, None, :, None].expand(batch, num_kv_heads, seq, head_dim)
     k_cache = k_cache.scatter(2, index, k)
     v_cache = v_cache.scatter(2, index, v)
-    pos_cache = pos_cache.scatter(2, slots[:, None, :].expand(batch, num_kv_heads, seq), position_ids[:, None, :].expand(batch, num_kv_heads, seq))
+    pos_cache = pos_cache.scatter(
+        2, slots[:, None, :].expand(batch, num_kv_heads, seq), position_ids[:, None, :].expand(batch, num_kv_heads, seq)
+    )
     group = num_heads // num_kv_heads
     q_grouped = q.reshape(batch, num_kv_heads, group * seq, head_dim)
     scores = q_grouped @ k_cache.transpose(2, 3) * scale
@@ -51,7 +53,12 @@ def kv_attention(
 @kv_attention.register_fake
 def _(q, k, v, position_ids, k_cache, v_cache, pos_cache, scale, window):
     batch, num_heads, seq, head_dim = q.shape
-    return q.new_empty(batch, seq, num_heads, head_dim), torch.empty_like(k_cache), torch.empty_like(v_cache), torch.empty_like(pos_cache)
+    return (
+        q.new_empty(batch, seq, num_heads, head_dim),
+        torch.empty_like(k_cache),
+        torch.empty_like(v_cache),
+        torch.empty_like(pos_cache),
+    )
 
 
 _KV_ATTENTION_OP = onnxscript_values.Op(

@@ -1,8 +1,8 @@
 """The edgec runtime: load a bundle and generate. Imports numpy, onnxruntime and tokenizers only.
 
-    from edgec.runtime import Model
-    model = Model.load("smol.cpu.edgec")
-    print(model.generate("The capital of France is", max_new_tokens=16))
+from edgec.runtime import Model
+model = Model.load("smol.cpu.edgec")
+print(model.generate("The capital of France is", max_new_tokens=16))
 """
 
 from edgec.errors import BundleError, GenerationError

@@ -181,8 +181,14 @@ class Model:
         if not all(isinstance(s, str) and s for s in stops):
             raise GenerationError("stop must be a non-empty string or a list of them")
         tokens = self.generate_ids(
-            prompt, messages=messages, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_k=top_k, top_p=top_p, seed=seed,
+            prompt,
+            messages=messages,
+            chat=chat,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
         )
         pieces = _cut_at_stops(self.tokenizer.stream(t for t in tokens if t not in self.eos_token_ids), stops)
         return pieces if stream else "".join(pieces)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def choose_token(
-    logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator
-) -> int:
+def choose_token(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
     """Greedy when ``temperature`` is 0; otherwise sample after temperature, top-k and top-p (nucleus) filtering."""
     if temperature == 0:
         return int(np.argmax(logits))
