@@ -71,6 +71,7 @@ def _build_into(model_path: Path, folder: Path, target: Target, settings: BuildS
     from edgec.chat_template import chat_format_from_tokenizer
     from edgec.export import cache_spec_for, export_step
     from edgec.load import load_model
+    from edgec.passes import run_passes
 
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -86,6 +87,7 @@ def _build_into(model_path: Path, folder: Path, target: Target, settings: BuildS
     progress("export")
     start = time.perf_counter()
     model = export_step(loaded.causal_lm, spec)
+    pass_counts = run_passes(model, list(target.passes))
     timings["export_s"] = time.perf_counter() - start
     del loaded.causal_lm
 
@@ -124,6 +126,7 @@ def _build_into(model_path: Path, folder: Path, target: Target, settings: BuildS
             "chat_note": chat_note,
         },
         "generation": generation,
+        "passes": pass_counts,
         "validation": validation,
         "build_timings": {key: round(value, 2) for key, value in timings.items()},
     }

@@ -17,7 +17,7 @@ import torch
 from edgec.kvcache import CacheSpec, LayerCache, torch_op
 from edgec.kvcache import function as kv_function
 
-OPSET = 21
+OPSET = 23
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ class Target:
     memory_bytes: int
     usable_fraction: float
     dtypes: tuple[str, ...]
+    passes: tuple[str, ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -66,6 +67,7 @@ def load_target(name: str) -> Target:
             memory_bytes=int(data["memory_bytes"]),
             usable_fraction=float(data["usable_fraction"]),
             dtypes=tuple(data["dtypes"]),
+            passes=tuple(data.get("passes", ())),
             defaults=dict(data.get("defaults", {})),
         )
     except KeyError as missing:

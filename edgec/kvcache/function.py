@@ -33,22 +33,28 @@ def _scalar_i64(name: str, value: int) -> onnx.NodeProto:
 
 
 def make_function(default_opset: int) -> onnx.FunctionProto:
-    """The function body; ``default_opset`` must equal the model's default-domain opset."""
+    """The function body; ``default_opset`` must equal the model's default-domain opset.
+
+    Every node here runs once per layer per step, so the body is kept short: static dims come from the cache
+    inputs (whose shapes ONNX Runtime folds to constants), and grouped-query attention is a 5-D broadcast
+    MatMul ([B,Hkv,G,T,D] × [B,Hkv,1,D,L]) rather than a repeat of K and V.
+    """
     n = helper.make_node
     nodes = [
         _const_i64("i0", [0]),
         _const_i64("i1", [1]),
+        _const_i64("i2", [2]),
         _const_i64("axes_1_3", [1, 3]),
-        _const_i64("axis_2", [2]),
+        _const_i64("axes_2_3", [2, 3]),
+        _const_i64("axes_1_2_4", [1, 2, 4]),
         _const_i64("neg1", [-1]),
         _scalar_i64("s0", 0),
         _scalar_i64("s1", 1),
-        _scalar_i64("s_neg1", -1),
         _scalar_i64("huge", 1 << 40),
-        # 1. slot per new token: position mod capacity
+        # 1. slot per new token: position mod capacity (no eviction: with capacity >= context, the position)
         n("Shape", ["k_cache"], ["capacity_1d"], start=2, end=3),
         n("Mod", ["position_ids", "capacity_1d"], ["slot"]),  # [B,T]
-        # 2. scatter k, v, positions into their slots
+        # 2. scatter k, v and positions into their slots
         n("Shape", ["k"], ["k_shape"]),  # [B,Hkv,T,D]
         n("Unsqueeze", ["slot", "axes_1_3"], ["slot_b1t1"]),
         n("Expand", ["slot_b1t1", "k_shape"], ["slot_bhtd"]),
@@ -60,62 +66,56 @@ def make_function(default_opset: int) -> onnx.FunctionProto:
         n("Unsqueeze", ["position_ids", "i1"], ["pos_b1t"]),
         n("Expand", ["pos_b1t", "bht_shape"], ["pos_bht"]),
         n("ScatterElements", ["pos_cache", "slot_bht", "pos_bht"], ["pos_cache_out"], axis=2),
-        # 3. attend over the filled prefix of slots only: L = last filled slot + 1
-        n("Squeeze", ["capacity_1d"], ["capacity"]),
-        n("Range", ["s0", "capacity", "s1"], ["slot_index"]),
-        n("GreaterOrEqual", ["pos_cache_out", "s0"], ["filled"]),
-        n("Where", ["filled", "slot_index", "s_neg1"], ["filled_index"]),
-        n("ReduceMax", ["filled_index"], ["last_filled"], keepdims=0),
-        n("Add", ["last_filled", "s1"], ["active"]),
-        n("Unsqueeze", ["active", "i0"], ["active_1d"]),
-        n("Slice", ["k_cache_out", "i0", "active_1d", "axis_2"], ["k_active"]),
-        n("Slice", ["v_cache_out", "i0", "active_1d", "axis_2"], ["v_active"]),
-        n("Slice", ["pos_cache_out", "i0", "active_1d", "axis_2"], ["pos_active"]),
-        # grouped-query attention without repeating kv: q [B,H,T,D] -> [B,Hkv,G*T,D] (heads are kv-major)
-        n("Shape", ["q"], ["q_shape"]),
+        # 3. attend over slots [0, L) only, L = min(max query position + 1, capacity): with slot = position mod
+        #    capacity, a slot at or past max position + 1 is either empty or (before a wrap) in the future
+        n("ReduceMax", ["position_ids"], ["max_position"], keepdims=0),
+        n("Add", ["max_position", "s1"], ["after_max"]),
+        n("Min", ["after_max", "capacity_1d"], ["active"]),  # [1]
+        n("Slice", ["k_cache_out", "i0", "active", "i2"], ["k_active"]),
+        n("Slice", ["v_cache_out", "i0", "active", "i2"], ["v_active"]),
+        n("Slice", ["pos_cache_out", "i0", "active", "i2"], ["pos_active"]),
+        # grouped-query attention in 5-D: q [B,H,T,D] -> [B,Hkv,G,T,D]; heads are kv-major as in repeat_kv
         n("Shape", ["k"], ["kv_heads_1d"], start=1, end=2),
-        n("Shape", ["q"], ["heads_1d"], start=1, end=2),
-        n("Shape", ["q"], ["head_dim_1d"], start=3, end=4),
-        n("Div", ["heads_1d", "kv_heads_1d"], ["group_1d"]),
-        n("Concat", ["i0", "kv_heads_1d", "neg1", "head_dim_1d"], ["grouped_shape"], axis=0),
+        n("Shape", ["q"], ["t_d"], start=2),
+        n("Concat", ["i0", "kv_heads_1d", "neg1", "t_d"], ["grouped_shape"], axis=0),
         n("Reshape", ["q", "grouped_shape"], ["q_grouped"]),
-        n("Transpose", ["k_active"], ["k_active_t"], perm=[0, 1, 3, 2]),
-        n("MatMul", ["q_grouped", "k_active_t"], ["raw_scores"]),  # [B,Hkv,G*T,L]
+        n("Unsqueeze", ["k_active", "i2"], ["k_grouped"]),  # [B,Hkv,1,L,D]
+        n("Unsqueeze", ["v_active", "i2"], ["v_grouped"]),
+        n("Transpose", ["k_grouped"], ["k_grouped_t"], perm=[0, 1, 2, 4, 3]),
+        n("MatMul", ["q_grouped", "k_grouped_t"], ["raw_scores"]),  # [B,Hkv,G,T,L]
         n("Constant", [], ["scale_value"], value_float=0.0),
         n("CastLike", ["scale_value", "raw_scores"], ["scale_typed"]),
         n("Mul", ["raw_scores", "scale_typed"], ["scores"]),
-        # mask: key slot valid iff 0 <= key_pos <= query_pos (and key_pos > query_pos - window)
-        n("Concat", ["i1", "group_1d"], ["tile_repeats"], axis=0),
-        n("Tile", ["position_ids", "tile_repeats"], ["query_pos_rows"]),  # [B,G*T], row g*T+t -> pos t
-        n("Unsqueeze", ["query_pos_rows", "axes_1_3"], ["query_pos"]),  # [B,1,G*T,1]
-        n("Unsqueeze", ["pos_active", "axis_2"], ["key_pos"]),  # [B,Hkv,1,L]
-        n("GreaterOrEqual", ["key_pos", "s0"], ["key_filled"]),
-        n("LessOrEqual", ["key_pos", "query_pos"], ["key_not_future"]),
+        # mask: a slot is visible iff lowest <= key_pos <= query_pos, lowest = max(0, query_pos - window + 1);
+        # empty slots hold -1 and so are never visible
+        n("Unsqueeze", ["position_ids", "axes_1_2_4"], ["query_pos"]),  # [B,1,1,T,1]
+        n("Unsqueeze", ["pos_active", "axes_2_3"], ["key_pos"]),  # [B,Hkv,1,1,L]
         n("Constant", [], ["window_value"], value_int=0),
         n("Greater", ["window_value", "s0"], ["has_window"]),
         n("Where", ["has_window", "window_value", "huge"], ["window_span"]),
-        n("Sub", ["query_pos", "window_span"], ["window_floor"]),
-        n("Greater", ["key_pos", "window_floor"], ["key_in_window"]),
-        n("And", ["key_filled", "key_not_future"], ["valid_causal"]),
-        n("And", ["valid_causal", "key_in_window"], ["valid"]),
+        n("Sub", ["window_span", "s1"], ["window_back"]),
+        n("Sub", ["query_pos", "window_back"], ["window_floor"]),
+        n("Max", ["window_floor", "s0"], ["lowest"]),
+        n("GreaterOrEqual", ["key_pos", "lowest"], ["key_recent"]),
+        n("LessOrEqual", ["key_pos", "query_pos"], ["key_not_future"]),
+        n("And", ["key_recent", "key_not_future"], ["valid"]),
         n("Constant", [], ["neg_inf"], value_float=float("-inf")),
         n("CastLike", ["neg_inf", "scores"], ["neg_inf_typed"]),
         n("Where", ["valid", "scores", "neg_inf_typed"], ["masked_scores"]),
         n("Softmax", ["masked_scores"], ["probs"], axis=-1),
-        n("MatMul", ["probs", "v_active"], ["out_grouped"]),  # [B,Hkv,G*T,D]
+        n("MatMul", ["probs", "v_grouped"], ["out_grouped"]),  # [B,Hkv,G,T,D]
+        n("Shape", ["q"], ["q_shape"]),
         n("Reshape", ["out_grouped", "q_shape"], ["out_bhtd"]),
         n("Transpose", ["out_bhtd"], ["out"], perm=[0, 2, 1, 3]),  # [B,T,H,D]
     ]
     # the two attribute-valued constants read the node's attributes
     for node in nodes:
-        if node.output[0] == "scale_value":
+        if node.output[0] in ("scale_value", "window_value"):
+            kind, attribute = ("value_float", "scale") if node.output[0] == "scale_value" else ("value_int", "window")
             del node.attribute[:]
-            node.attribute.append(helper.make_attribute_ref("value_float", AttributeProto.FLOAT))
-            node.attribute[0].ref_attr_name = "scale"
-        elif node.output[0] == "window_value":
-            del node.attribute[:]
-            node.attribute.append(helper.make_attribute_ref("value_int", AttributeProto.INT))
-            node.attribute[0].ref_attr_name = "window"
+            ref = helper.make_attribute_ref(kind, AttributeProto.FLOAT if attribute == "scale" else AttributeProto.INT)
+            ref.ref_attr_name = attribute
+            node.attribute.append(ref)
     window_default = helper.make_attribute("window", 0)
     return helper.make_function(
         DOMAIN,
