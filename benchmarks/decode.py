@@ -53,10 +53,25 @@ def prepare(threads: int) -> dict:
         )
     if not (GENAI_MODEL / "genai_config.json").exists():
         hf = models.smollm2_hf_folder()
-        builds["onnxruntime-genai"] = run_measured([
-            sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(GENAI_MODEL),
-            "-p", "fp32", "-e", "cpu", "-c", str(OUT / "genai-cache"), "--extra_options", "prune_lm_head=true",
-        ])
+        builds["onnxruntime-genai"] = run_measured(
+            [
+                sys.executable,
+                "-m",
+                "onnxruntime_genai.models.builder",
+                "-i",
+                str(hf),
+                "-o",
+                str(GENAI_MODEL),
+                "-p",
+                "fp32",
+                "-e",
+                "cpu",
+                "-c",
+                str(OUT / "genai-cache"),
+                "--extra_options",
+                "prune_lm_head=true",
+            ]
+        )
     config_path = GENAI_MODEL / "genai_config.json"
     config = json.loads(config_path.read_text())
     config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads  # genai's best here
@@ -168,7 +183,8 @@ def measure_speed(names: list[str], lengths: list[int], rounds: int, new_tokens:
 def measure_memory(name: str, threads: int, new_tokens: int) -> float:
     done = subprocess.run(
         [sys.executable, __file__, "--worker", name, "--threads", str(threads), "--new-tokens", str(new_tokens)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if done.returncode:
         sys.exit(f"memory worker {name} failed:\n{done.stderr[-3000:]}")
@@ -227,11 +243,15 @@ def main() -> None:
         "builds": builds,
         "speed": measure_speed(names, lengths, args.rounds, args.new_tokens, args.threads),
     }
-    results["peak_rss_gb"] = {RUNNERS[n].name: round(measure_memory(n, args.threads, args.new_tokens), 2) for n in names}
+    results["peak_rss_gb"] = {
+        RUNNERS[n].name: round(measure_memory(n, args.threads, args.new_tokens), 2) for n in names
+    }
     (OUT / "decode.json").write_text(json.dumps(results, indent=2))
     plot(results, OUT / "decode.png")
     reference = results["speed"].get(GenaiRunner.name)
-    print(f"| runtime | {' | '.join(f'decode tok/s, prompt {n}' for n in lengths)} | prefill {lengths[-1]} | peak RSS |")
+    print(
+        f"| runtime | {' | '.join(f'decode tok/s, prompt {n}' for n in lengths)} | prefill {lengths[-1]} | peak RSS |"
+    )
     print("|---" * (len(lengths) + 3) + "|")
     for name, per_length in results["speed"].items():
         cells = []

@@ -11,10 +11,12 @@ import onnx_ir as ir
 
 from edgec.errors import BuildSettingsError
 from edgec.passes.fuse_projections import fuse_projections
+from edgec.passes.kv_attention_gqa import kv_attention_gqa
 from edgec.passes.transposed_weight_gemm import transposed_weight_gemm
 
 PASSES: dict[str, Callable[[ir.Model], int]] = {
     "fuse_projections": fuse_projections,
+    "kv_attention_gqa": kv_attention_gqa,
     "transposed_weight_gemm": transposed_weight_gemm,
 }
 

@@ -49,6 +49,7 @@ def fuse_projections(model: ir.Model) -> int:
         parts = tape.op_multi_out("Split", [product, sizes], attributes={"axis": -1}, num_outputs=len(nodes))
         graph.insert_before(first, tape.nodes)
         for node, part in zip(nodes, parts, strict=True):
+            part.shape, part.type = node.outputs[0].shape, node.outputs[0].type
             old_weight = node.inputs[1]
             node.outputs[0].replace_all_uses_with(part)
             graph.remove(node, safe=True)
