@@ -32,6 +32,14 @@ GENAI_MODEL = OUT / "genai-fp32"
 CONTEXT = 2048  # enough for the 1024-token prompt + 64 new tokens; genai sizes its cache to max_length likewise
 
 
+def peak_rss_gb() -> float:
+    """This process's peak RSS (VmHWM: unlike ru_maxrss it is not inherited from the parent across fork/exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def run_measured(command: list[str]) -> tuple[float, float]:
     """Run a command; return (seconds, its peak RSS in GB) — a wrapper process isolates the child accounting."""
     wrapper = (
@@ -227,7 +235,7 @@ def main() -> None:
     if args.worker:  # memory phase: one runtime, fresh process, print peak RSS in GB
         runner = RUNNERS[args.worker](args.threads)
         runner.run(prompt_ids(1024), args.new_tokens)
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+        print(peak_rss_gb())
         return
     OUT.mkdir(parents=True, exist_ok=True)
     names = args.runtimes.split(",")

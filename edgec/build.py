@@ -39,8 +39,8 @@ def _check_settings(settings: BuildSettings) -> Target:
     return target
 
 
-def resolve_context(settings: BuildSettings, config) -> int:
-    maximum = int(getattr(config, "max_position_embeddings", 0) or 0)
+def resolve_context(settings: BuildSettings, max_context: int | None) -> int:
+    maximum = int(max_context or 0)
     context = settings.context or maximum
     if maximum and context > maximum:
         raise BuildSettingsError(
@@ -60,12 +60,16 @@ def build(
     output = Path(output)
     from edgec.load import inspect_source
 
-    inspect_source(model_path, settings.allow_pickle)  # fail fast, before the output folder is touched
+    # fail fast, from the config alone, before the output folder is touched or weights are read
+    source = inspect_source(model_path, settings.allow_pickle)
+    context = resolve_context(settings, source["max_context"])
     with atomic_folder(output, settings.overwrite) as folder:
-        return _build_into(Path(model_path), folder, target, settings, progress)
+        return _build_into(Path(model_path), folder, target, settings, context, progress)
 
 
-def _build_into(model_path: Path, folder: Path, target: Target, settings: BuildSettings, progress: Progress) -> dict:
+def _build_into(
+    model_path: Path, folder: Path, target: Target, settings: BuildSettings, context: int, progress: Progress
+) -> dict:
     import onnx_ir as ir
 
     from edgec.chat_template import chat_format_from_tokenizer
@@ -77,7 +81,6 @@ def _build_into(model_path: Path, folder: Path, target: Target, settings: BuildS
     start = time.perf_counter()
     progress("load")
     loaded = load_model(model_path, settings.allow_pickle)
-    context = resolve_context(settings, loaded.config)
     spec = cache_spec_for(loaded.config, context)
     prompts = [loaded.tokenizer(text)["input_ids"] for text in VALIDATION_PROMPTS]
     reference_logits = _torch_last_logits(loaded.causal_lm, prompts)

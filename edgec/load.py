@@ -82,7 +82,9 @@ def _inspect_gguf(path: Path) -> dict[str, Any]:
             f"GGUF architecture {architecture!r} in {path.name} is not supported; supported: "
             f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
-    return {"kind": "gguf", "path": path, "model_type": GGUF_ARCHITECTURES[architecture]}
+    context_field = reader.fields.get(f"{architecture}.context_length")
+    max_context = int(context_field.parts[context_field.data[0]][0]) if context_field is not None else None
+    return {"kind": "gguf", "path": path, "model_type": GGUF_ARCHITECTURES[architecture], "max_context": max_context}
 
 
 def _inspect_folder(path: Path, allow_pickle: bool) -> dict[str, Any]:
@@ -111,6 +113,7 @@ def _inspect_folder(path: Path, allow_pickle: bool) -> dict[str, Any]:
         "path": path,
         "model_type": config["model_type"],
         "weights": safetensors_files or pickle_files,
+        "max_context": config.get("max_position_embeddings"),
     }
 
 
@@ -138,6 +141,8 @@ def load_model(path: str | Path, allow_pickle: bool = False) -> LoadedModel:
     info = inspect_source(path, allow_pickle)
     import torch
     import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # the CLI shows its own progress
 
     path = Path(path)
     if info["kind"] == "gguf":

@@ -57,5 +57,6 @@ class OrtStep:
         self.binding.bind_cpu_input("position_ids", np.arange(start, start + count, dtype=np.int64).reshape(1, count))
         index = np.array([count - 1], np.int64) if last_only else np.arange(count, dtype=np.int64)
         self.binding.bind_cpu_input("logits_index", index)
+        self.binding.bind_output("logits", "cpu")  # re-bound each step: ORT would reuse last step's buffer shape
         self.session.run_with_iobinding(self.binding)
         return self.binding.get_outputs()[0].numpy()[0]

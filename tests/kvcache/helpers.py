@@ -1,0 +1,66 @@
+"""A one-node model around KVAttention, run step by step through ONNX Runtime."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from edgec.kvcache import function
+
+
+def kv_attention_model(heads: int, kv_heads: int, head_dim: int, capacity: int, scale: float, window: int = 0):
+    node = helper.make_node(
+        function.OP_TYPE,
+        list(function.INPUTS),
+        list(function.OUTPUTS),
+        domain=function.DOMAIN,
+        scale=scale,
+        window=window,
+    )
+    f, i = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [
+        helper.make_tensor_value_info("q", f, [1, heads, "T", head_dim]),
+        helper.make_tensor_value_info("k", f, [1, kv_heads, "T", head_dim]),
+        helper.make_tensor_value_info("v", f, [1, kv_heads, "T", head_dim]),
+        helper.make_tensor_value_info("position_ids", i, [1, "T"]),
+        helper.make_tensor_value_info("k_cache", f, [1, kv_heads, capacity, head_dim]),
+        helper.make_tensor_value_info("v_cache", f, [1, kv_heads, capacity, head_dim]),
+        helper.make_tensor_value_info("pos_cache", i, [1, kv_heads, capacity]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("out", f, [1, "T", heads, head_dim]),
+        helper.make_tensor_value_info("k_cache_out", f, [1, kv_heads, capacity, head_dim]),
+        helper.make_tensor_value_info("v_cache_out", f, [1, kv_heads, capacity, head_dim]),
+        helper.make_tensor_value_info("pos_cache_out", i, [1, kv_heads, capacity]),
+    ]
+    graph = helper.make_graph([node], "kv_attention", inputs, outputs)
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(function.DOMAIN, 1)],
+        functions=[function.make_function(23)],
+    )
+
+
+def lowered(model: onnx.ModelProto, lower) -> onnx.ModelProto:
+    ir_model = ir.serde.deserialize_model(model)
+    lower(ir_model)
+    return ir.serde.serialize_model(ir_model)
+
+
+def empty_state(kv_heads: int, capacity: int, head_dim: int):
+    k = np.zeros((1, kv_heads, capacity, head_dim), np.float32)
+    return k, k.copy(), np.full((1, kv_heads, capacity), -1, np.int64)
+
+
+def random_step(rng, heads, kv_heads, head_dim, start, count):
+    q = rng.standard_normal((1, heads, count, head_dim)).astype(np.float32)
+    k = rng.standard_normal((1, kv_heads, count, head_dim)).astype(np.float32)
+    v = rng.standard_normal((1, kv_heads, count, head_dim)).astype(np.float32)
+    return q, k, v, np.arange(start, start + count, dtype=np.int64)[None]
+
+
+def session(model: onnx.ModelProto) -> ort.InferenceSession:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

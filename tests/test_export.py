@@ -1,0 +1,85 @@
+"""Tracing: one KVAttention per layer, a valid ONNX model, logits equal to transformers' on random weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+
+from edgec.export import cache_spec_for, empty_cache, export_step
+from edgec.kvcache import function as kv_function
+from edgec.passes import run_passes
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    spec = cache_spec_for(model.config, 64)
+    return export_step(model, spec), spec
+
+
+def _session(model: ir.Model) -> ort.InferenceSession:
+    return ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _run_chunks(sess, spec, ids: np.ndarray, chunks: list[int]) -> np.ndarray:
+    """Feed ids in the given chunk sizes through the cache; logits of every position."""
+    state = [t.numpy() for t in empty_cache(spec)]
+    names = [i.name for i in sess.get_inputs()][3:]
+    start, pieces = 0, []
+    for size in chunks:
+        chunk = ids[start : start + size]
+        feeds = {
+            "input_ids": chunk[None],
+            "position_ids": np.arange(start, start + size)[None],
+            "logits_index": np.arange(size),
+            **dict(zip(names, state, strict=True)),
+        }
+        logits, *state = sess.run(None, feeds)
+        pieces.append(logits[0])
+        start += size
+    return np.concatenate(pieces)
+
+
+def test_one_kv_attention_node_per_layer(exported, tiny_hf_model):
+    model, _ = exported
+    kv_nodes = [n for n in model.graph if n.domain == kv_function.DOMAIN and n.op_type == kv_function.OP_TYPE]
+    assert len(kv_nodes) == tiny_hf_model.config.num_hidden_layers
+    assert (kv_function.DOMAIN, kv_function.OP_TYPE, "") in model.functions
+    assert model.opset_imports[""] >= 21
+    proto = ir.serde.serialize_model(model)
+    onnx.checker.check_model(proto, full_check=True)
+    # the cache state is explicit graph I/O, positions included
+    names = [v.name for v in model.graph.inputs]
+    assert names[:3] == ["input_ids", "position_ids", "logits_index"]
+    assert names[3:6] == ["cache.0.k", "cache.0.v", "cache.0.pos"]
+
+
+@pytest.mark.parametrize("chunks", [[40], [16, 16, 8], [17, 1, 1, 1, 20]])
+def test_logits_match_transformers(exported, tiny_hf_model, chunks):
+    model, spec = exported
+    ids = np.random.default_rng(0).integers(0, tiny_hf_model.config.vocab_size, 40)
+    got = _run_chunks(_session(model), spec, ids, chunks)
+    with torch.no_grad():
+        want = tiny_hf_model(torch.tensor(ids[None])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_cpu_passes_keep_logits(exported, tiny_hf_model, tmp_path):
+    model, spec = exported
+    lowered = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    counts = run_passes(lowered, ["fuse_projections", "transposed_weight_gemm", "kv_attention_gqa"])
+    assert counts["kv_attention_gqa"] == tiny_hf_model.config.num_hidden_layers
+    assert counts["fuse_projections"] == 2 * tiny_hf_model.config.num_hidden_layers  # qkv and gate/up
+    ops = [n.op_type for n in lowered.graph]
+    assert "KVAttention" not in ops and ops.count("GroupQueryAttention") == tiny_hf_model.config.num_hidden_layers
+    ids = np.random.default_rng(1).integers(0, tiny_hf_model.config.vocab_size, 30)
+    got = _run_chunks(_session(lowered), spec, ids, [13, 1, 16])
+    with torch.no_grad():
+        want = tiny_hf_model(torch.tensor(ids[None])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
