@@ -114,6 +114,10 @@ class Model:
                 pieces.append(logits)
         return np.concatenate(pieces) if all_logits else pieces[-1]
 
+    def next_token_logits(self, prompt: Prompt) -> np.ndarray:
+        """Logits [vocab] for the token after ``prompt`` (text or ids), through the same path as ``generate``."""
+        return self._prefill(self._prompt_ids(prompt, None, False), all_logits=False)[-1]
+
     def logprobs(self, token_ids: Sequence[int]) -> np.ndarray:
         """log P(token_ids[i+1] | token_ids[:i+1]) for each i, as the runtime computes it (float64, length n-1)."""
         ids = self._prompt_ids(token_ids, None, False) if not isinstance(token_ids, str) else None

