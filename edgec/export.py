@@ -7,6 +7,7 @@ lm_head on one position while scoring (``Model.logprobs``) asks for all of them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from dataclasses import dataclass
@@ -85,19 +86,24 @@ def step_io(spec: CacheSpec) -> StepIO:
     return StepIO(tuple(inputs), tuple(outputs))
 
 
-def prepare_model(causal_lm: torch.nn.Module) -> torch.nn.Module:
-    """Route the model's attention through KVAttention."""
-    causal_lm.config._attn_implementation = torch_op.register_attention()
-    for module in causal_lm.modules():
-        config = getattr(module, "config", None)
-        if config is not None and config is not causal_lm.config:
-            config._attn_implementation = torch_op.ATTENTION_NAME
-    return causal_lm.eval()
+@contextlib.contextmanager
+def kv_attention_routed(causal_lm: torch.nn.Module):
+    """Route the model's attention through KVAttention for the duration, then restore it (a model's sub-configs
+    are separate objects, each with its own switch)."""
+    name = torch_op.register_attention()
+    configs = {id(c): c for c in [causal_lm.config, *(getattr(m, "config", None) for m in causal_lm.modules())] if c}
+    previous = {key: config._attn_implementation for key, config in configs.items()}
+    try:
+        for config in configs.values():
+            config._attn_implementation = name
+        yield causal_lm.eval()
+    finally:
+        for key, config in configs.items():
+            config._attn_implementation = previous[key]
 
 
 def export_step(causal_lm: torch.nn.Module, spec: CacheSpec) -> ir.Model:
     """Trace the step function and return the ONNX IR model with the KVAttention function attached."""
-    prepare_model(causal_lm)
     step = StepModule(causal_lm, spec).eval()
     io = step_io(spec)
     example_len = 3
@@ -115,7 +121,7 @@ def export_step(causal_lm: torch.nn.Module, spec: CacheSpec) -> ir.Model:
         "logits_index": {0: n_logits},
         "caches": tuple([None] * len(spec.layers) * 3),
     }
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), kv_attention_routed(causal_lm):
         warnings.simplefilter("ignore")
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         # torch.onnx.export rewrites a tuple of dynamic shapes into a list that torch.export then rejects for

@@ -25,8 +25,10 @@ def smollm2_gguf() -> Path:
 def main() -> None:
     question = sys.argv[1] if len(sys.argv) > 1 else "Explain in two sentences why a KV cache speeds up generation."
     if not (BUNDLE / "manifest.json").exists():
-        subprocess.run(["edgec", "build", str(smollm2_gguf()), "--target", "cpu", "-o", str(BUNDLE),
-                        "--context", "4096"], check=True)
+        subprocess.run(
+            ["edgec", "build", str(smollm2_gguf()), "--target", "cpu", "-o", str(BUNDLE), "--context", "4096"],
+            check=True,
+        )
     subprocess.run(["edgec", "inspect", str(BUNDLE)], check=True)
 
     from edgec.runtime import Model  # what an application embeds: numpy + onnxruntime + tokenizers only

@@ -73,7 +73,7 @@ def test_logits_match_transformers(exported, tiny_hf_model, chunks):
 def test_cpu_passes_keep_logits(exported, tiny_hf_model, tmp_path):
     model, spec = exported
     lowered = ir.serde.deserialize_model(ir.serde.serialize_model(model))
-    counts = run_passes(lowered, ["fuse_projections", "transposed_weight_gemm", "kv_attention_gqa"])
+    counts = run_passes(lowered, ["fuse_projections", "transposed_weight_gemm", "skip_rms_norm", "kv_attention_gqa"])
     assert counts["kv_attention_gqa"] == tiny_hf_model.config.num_hidden_layers
     assert counts["fuse_projections"] == 2 * tiny_hf_model.config.num_hidden_layers  # qkv and gate/up
     ops = [n.op_type for n in lowered.graph]
@@ -82,4 +82,22 @@ def test_cpu_passes_keep_logits(exported, tiny_hf_model, tmp_path):
     got = _run_chunks(_session(lowered), spec, ids, [13, 1, 16])
     with torch.no_grad():
         want = tiny_hf_model(torch.tensor(ids[None])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_cpu_passes_on_a_fresh_export(tiny_llama):
+    """Passes see the exporter's in-memory IR (not a serialized round trip), where tensors may be nameless."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    spec = cache_spec_for(model.config, 32)
+    exported = export_step(model, spec)
+    counts = run_passes(exported, ["fuse_projections", "transposed_weight_gemm", "skip_rms_norm", "kv_attention_gqa"])
+    assert counts["kv_attention_gqa"] == model.config.num_hidden_layers
+    ops = [n.op_type for n in exported.graph]
+    assert "RotaryEmbedding" not in ops and "Split" in ops  # RoPE moved into GQA; gate/up still split
+    ids = np.arange(20) % model.config.vocab_size
+    got = _run_chunks(_session(exported), spec, ids, [7, 1, 12])
+    with torch.no_grad():
+        want = model(torch.tensor(ids[None])).logits[0].numpy()
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
