@@ -157,7 +157,7 @@ def _validate(folder: Path, spec, prompts: list[list[int]], reference: list[np.n
     """Run the saved graph on the validation prompts and compare with the source model's logits."""
     from edgec.runtime.backend_ort import OrtStep
 
-    step = OrtStep(folder / "model.onnx", spec, providers=["CPUExecutionProvider"])
+    step = OrtStep(folder / "model.onnx", spec, len(reference[0]), providers=["CPUExecutionProvider"])
     errors, agree = [], []
     for ids, expected in zip(prompts, reference, strict=True):
         step.reset()

@@ -143,6 +143,7 @@ def load_model(path: str | Path, allow_pickle: bool = False) -> LoadedModel:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # the CLI shows its own progress
+    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF reader uses plain tqdm
 
     path = Path(path)
     if info["kind"] == "gguf":

@@ -2,7 +2,11 @@
 
 Every cache output is bound to the very buffer of its input. That is correct because inside KVAttention the
 cache inputs feed only ScatterElements, which ONNX Runtime updates in place when input and output share a
-buffer (tests/runtime/test_inplace.py checks this against separate buffers).
+buffer (and so does GroupQueryAttention's shared past/present buffer, where the cpu target lowers to it);
+tests/kvcache/test_function.py checks both against separate buffers.
+
+A decode step (one token) touches no Python allocation: the token, its position and the logits live in numpy
+buffers bound once; a step writes two integers and reads the logits buffer.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class OrtStep:
         self,
         model_path: Path,
         spec: CacheSpec,
+        vocab_size: int,
         providers: list[str] | None = None,
         threads: int | None = None,
     ) -> None:
@@ -30,20 +35,34 @@ class OrtStep:
         if threads:
             options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(model_path), options, providers=providers or ["CPUExecutionProvider"])
-        self.spec = spec
         dtype = np.float16 if spec.dtype == "float16" else np.float32
-        self.cache: list[np.ndarray] = []
-        self.binding = self.session.io_binding()
-        self.binding.bind_output("logits", "cpu")  # first bound, so first in get_outputs()
+        self._positions: list[np.ndarray] = []
+        self._cache_values: list[tuple[str, str, ort.OrtValue]] = []
+        self._keep_alive: list[np.ndarray] = []
         for layer in spec.layers:
             shape = (1, layer.num_kv_heads, layer.capacity, layer.head_dim)
             arrays = (np.zeros(shape, dtype), np.zeros(shape, dtype), np.full(shape[:3], -1, np.int64))
             for array, input_name, output_name in zip(arrays, layer.input_names(), layer.output_names(), strict=True):
                 value = ort.OrtValue.ortvalue_from_numpy(array)  # wraps the numpy buffer, no copy
-                self.binding.bind_ortvalue_input(input_name, value)
-                self.binding.bind_ortvalue_output(output_name, value)
-                self.cache.append(array)
-        self._positions = [array for array in self.cache if array.dtype == np.int64]
+                self._cache_values.append((input_name, output_name, value))
+                self._keep_alive.append(array)
+            self._positions.append(arrays[2])
+        # one-token step buffers, bound once
+        self._token = np.zeros((1, 1), np.int64)
+        self._position = np.zeros((1, 1), np.int64)
+        self._last = np.zeros(1, np.int64)
+        self._logits = np.zeros((1, 1, vocab_size), np.float32)
+        self._decode = self._binding(self._token, self._position, self._last, self._logits)
+
+    def _binding(self, ids, positions, index, logits) -> ort.IOBinding:
+        binding = self.session.io_binding()
+        for input_name, output_name, value in self._cache_values:
+            binding.bind_ortvalue_input(input_name, value)
+            binding.bind_ortvalue_output(output_name, value)
+        for name, array in (("input_ids", ids), ("position_ids", positions), ("logits_index", index)):
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        return binding
 
     def reset(self) -> None:
         """Empty every slot (k and v need no clearing: empty slots are masked by position)."""
@@ -51,12 +70,17 @@ class OrtStep:
             positions.fill(-1)
 
     def run(self, ids: np.ndarray, start: int, last_only: bool) -> np.ndarray:
-        """Feed ``ids`` at positions ``start, start+1, ...``; logits [N, V] for the last (or every) position."""
+        """Feed ``ids`` at positions ``start, start+1, ...``; logits [N, V] for the last (or every) position.
+        The one-token result is a view of a buffer the next step overwrites: copy it to keep it."""
         count = len(ids)
-        self.binding.bind_cpu_input("input_ids", ids.reshape(1, count))
-        self.binding.bind_cpu_input("position_ids", np.arange(start, start + count, dtype=np.int64).reshape(1, count))
+        if count == 1:
+            self._token[0, 0] = ids[0]
+            self._position[0, 0] = start
+            self.session.run_with_iobinding(self._decode)
+            return self._logits[0]
         index = np.array([count - 1], np.int64) if last_only else np.arange(count, dtype=np.int64)
-        self.binding.bind_cpu_input("logits_index", index)
-        self.binding.bind_output("logits", "cpu")  # re-bound each step: ORT would reuse last step's buffer shape
-        self.session.run_with_iobinding(self.binding)
-        return self.binding.get_outputs()[0].numpy()[0]
+        logits = np.empty((1, len(index), self._logits.shape[-1]), np.float32)
+        positions = np.arange(start, start + count, dtype=np.int64).reshape(1, count)
+        binding = self._binding(np.ascontiguousarray(ids, np.int64).reshape(1, count), positions, index, logits)
+        self.session.run_with_iobinding(binding)
+        return logits[0]

@@ -45,7 +45,9 @@ class Model:
             manifest["tokenizer"].get("chat_note", ""),
         )
         providers = manifest["runtime"].get("providers", ["CPUExecutionProvider"])
-        self._step = OrtStep(path / manifest["model"]["file"], self.cache_spec, providers=providers, threads=threads)
+        self._step = OrtStep(
+            path / manifest["model"]["file"], self.cache_spec, self.vocab_size, providers=providers, threads=threads
+        )
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, check_hashes: bool = False) -> Model:
@@ -111,7 +113,7 @@ class Model:
             is_last = start + len(chunk) == len(ids)
             logits = self._step.run(chunk, start, last_only=not all_logits)
             if all_logits or is_last:
-                pieces.append(logits)
+                pieces.append(logits.copy() if len(chunk) == 1 else logits)  # a one-token result is a reused buffer
         return np.concatenate(pieces) if all_logits else pieces[-1]
 
     def next_token_logits(self, prompt: Prompt) -> np.ndarray:

@@ -162,3 +162,17 @@ def test_runtime_imports_neither_torch_nor_onnx(tiny_bundle):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_one_token_prefill_chunks_do_not_alias(tiny_bundle, tiny_hf_model):
+    """Decode-sized steps reuse one logits buffer; scoring with 1-token chunks must still keep every row."""
+    model = Model.load(tiny_bundle)
+    model.prefill_chunk = 1
+    ids = model.encode(PROMPT)
+    with torch.no_grad():
+        logits = tiny_hf_model(torch.tensor([ids])).logits[0, :-1].double()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+    np.testing.assert_allclose(model.logprobs(ids), want, atol=1e-4)
+    first = model.next_token_logits(ids[:1])
+    second = model.next_token_logits(ids[:1] + ids[:1])
+    assert not np.shares_memory(first, second)
