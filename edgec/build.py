@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -91,6 +92,8 @@ def _build_into(
     start = time.perf_counter()
     model = export_step(loaded.causal_lm, spec)
     pass_counts = run_passes(model, list(target.passes))
+    graph_inputs = {value.name for value in model.graph.inputs}
+    spec = dataclasses.replace(spec, positions=spec.layers[0].input_names()[2] in graph_inputs)
     timings["export_s"] = time.perf_counter() - start
     del loaded.causal_lm
 

@@ -3,8 +3,9 @@
 Valid only for an uncompressed cache (no eviction, float storage, global attention): then slot = position, so
 the slot cache *is* GQA's shared past/present buffer of length ``capacity``, and GQA's write offset
 (``seqlens_k + 1 - T``) equals the first new position because the runtime feeds positions contiguously from 0.
-The ``pos`` state keeps its meaning (scattered as in the function body), so a lowered bundle and a portable one
-hold identical cache state. Layers that do not qualify keep the portable function body.
+GQA needs no ``pos`` state (with slot = position it is implied by the fill), so the lowering removes the pos
+inputs/outputs from the graph and the runtime allocates only the state the graph has. Layers that do not
+qualify keep the portable function body.
 
 Where the graph allows, GQA also takes over what surrounds attention: the model's head split/merge reshapes and,
 when q, k, v come from one fused projection with standard RoPE, the rotary embedding (``do_rotary`` with cos/sin
@@ -34,6 +35,7 @@ def kv_attention_gqa(model: ir.Model) -> int:
         if node.domain == kv_function.DOMAIN
         and node.op_type == kv_function.OP_TYPE
         and node.attributes.get("window", ir.AttrInt64("window", 0)).as_int() == 0
+        and _pos_state_is_private(node)
     ]
     if not targets:
         return 0
@@ -79,16 +81,25 @@ def _lower(graph: ir.Graph, node: ir.Node, seqlens_k: ir.Value, total: ir.Value,
     _merge_heads_away(graph, node.outputs[0], out, num_heads * head_dim)
     still_4d = node.outputs[0].uses() or node.outputs[0].is_graph_output()
     out4 = tape.op("Reshape", [out, _i64(tape, [0, 0, num_heads, head_dim])]) if still_4d else out
-    # pos state: slot = position (capacity >= context), scattered exactly as the function body does
-    slot_bht = tape.op(
-        "Expand", [tape.op("Unsqueeze", [position_ids, _i64(tape, [1])]), _i64(tape, [1, num_kv_heads, 1])]
-    )
-    pos_out = tape.op("ScatterElements", [pos_cache, slot_bht, slot_bht], attributes={"axis": 2})
     graph.insert_before(node, tape.nodes)
-    for old, new in zip(node.outputs, (out4, present_k, present_v, pos_out), strict=True):
+    for old, new in zip(node.outputs[:3], (out4, present_k, present_v), strict=True):
         if old.uses() or old.is_graph_output():
             _take_over(old, new)
+    graph.outputs.remove(node.outputs[3])
     graph.remove(node, safe=True)
+    graph.inputs.remove(pos_cache)
+
+
+def _pos_state_is_private(node: ir.Node) -> bool:
+    """The pos state is graph I/O that only this node reads and writes, so it can be dropped."""
+    pos_in, pos_out = node.inputs[6], node.outputs[3]
+    return (
+        pos_in is not None
+        and pos_in.is_graph_input()
+        and len(pos_in.uses()) == 1
+        and pos_out.is_graph_output()
+        and not pos_out.uses()
+    )
 
 
 def _i64(tape: ir.tape.Tape, values: list[int]) -> ir.Value:

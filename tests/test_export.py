@@ -29,8 +29,10 @@ def _session(model: ir.Model) -> ort.InferenceSession:
 
 def _run_chunks(sess, spec, ids: np.ndarray, chunks: list[int]) -> np.ndarray:
     """Feed ids in the given chunk sizes through the cache; logits of every position."""
-    state = [t.numpy() for t in empty_cache(spec)]
-    names = [i.name for i in sess.get_inputs()][3:]
+    all_names = [name for layer in spec.layers for name in layer.input_names()]
+    state_by_name = dict(zip(all_names, [t.numpy() for t in empty_cache(spec)], strict=True))
+    names = [i.name for i in sess.get_inputs()][3:]  # a lowering may have dropped some state (pos)
+    state = [state_by_name[name] for name in names]
     start, pieces = 0, []
     for size in chunks:
         chunk = ids[start : start + size]

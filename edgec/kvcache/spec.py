@@ -28,6 +28,7 @@ class CacheSpec:
 
     layers: tuple[LayerCache, ...]
     dtype: str = "float32"
+    positions: bool = True  # False where a lowering (e.g. to ORT's GQA) made the pos state implicit
 
     @property
     def capacity(self) -> int:
@@ -36,15 +37,24 @@ class CacheSpec:
     def bytes_per_token(self) -> int:
         """KV bytes one cached token costs across all layers (k + v + its int64 position)."""
         itemsize = {"float32": 4, "float16": 2}[self.dtype]
-        return sum(layer.num_kv_heads * (2 * layer.head_dim * itemsize + 8) for layer in self.layers)
+        position = 8 if self.positions else 0
+        return sum(layer.num_kv_heads * (2 * layer.head_dim * itemsize + position) for layer in self.layers)
 
     def total_bytes(self) -> int:
+        """Bytes of the whole cache state at full capacity."""
         itemsize = {"float32": 4, "float16": 2}[self.dtype]
-        return sum(layer.num_kv_heads * layer.capacity * (2 * layer.head_dim * itemsize + 8) for layer in self.layers)
+        position = 8 if self.positions else 0
+        return sum(
+            layer.num_kv_heads * layer.capacity * (2 * layer.head_dim * itemsize + position) for layer in self.layers
+        )
 
     def to_json(self) -> dict:
-        return {"dtype": self.dtype, "layers": [asdict(layer) for layer in self.layers]}
+        return {"dtype": self.dtype, "positions": self.positions, "layers": [asdict(layer) for layer in self.layers]}
 
     @classmethod
     def from_json(cls, data: dict) -> CacheSpec:
-        return cls(layers=tuple(LayerCache(**layer) for layer in data["layers"]), dtype=data["dtype"])
+        return cls(
+            layers=tuple(LayerCache(**layer) for layer in data["layers"]),
+            dtype=data["dtype"],
+            positions=data.get("positions", True),
+        )

@@ -39,14 +39,18 @@ class OrtStep:
         self._positions: list[np.ndarray] = []
         self._cache_values: list[tuple[str, str, ort.OrtValue]] = []
         self._keep_alive: list[np.ndarray] = []
+        graph_inputs = {value.name for value in self.session.get_inputs()}
         for layer in spec.layers:
             shape = (1, layer.num_kv_heads, layer.capacity, layer.head_dim)
             arrays = (np.zeros(shape, dtype), np.zeros(shape, dtype), np.full(shape[:3], -1, np.int64))
             for array, input_name, output_name in zip(arrays, layer.input_names(), layer.output_names(), strict=True):
+                if input_name not in graph_inputs:  # e.g. pos, where the target's lowering made it implicit
+                    continue
                 value = ort.OrtValue.ortvalue_from_numpy(array)  # wraps the numpy buffer, no copy
                 self._cache_values.append((input_name, output_name, value))
                 self._keep_alive.append(array)
-            self._positions.append(arrays[2])
+                if array.dtype == np.int64:
+                    self._positions.append(array)
         # one-token step buffers, bound once
         self._token = np.zeros((1, 1), np.int64)
         self._position = np.zeros((1, 1), np.int64)

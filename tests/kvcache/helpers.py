@@ -64,3 +64,9 @@ def random_step(rng, heads, kv_heads, head_dim, start, count):
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def present(sess: ort.InferenceSession, feeds: dict) -> dict:
+    """Only the feeds the (possibly lowered) graph still has."""
+    names = {i.name for i in sess.get_inputs()}
+    return {name: value for name, value in feeds.items() if name in names}
