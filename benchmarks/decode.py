@@ -211,9 +211,13 @@ def plot(results: dict, path: Path) -> None:
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         xs = np.arange(len(lengths)) + i * width
-        axes[0].bar(xs, [results["speed"][name][n]["decode_tok_s"] for n in lengths], width, label=name)
+        runs = [results["speed"][name][n]["decode_tok_s_all"] for n in lengths]
+        medians = [results["speed"][name][n]["decode_tok_s"] for n in lengths]
+        pairs = list(zip(medians, runs, strict=True))
+        spread = [[m - min(r) for m, r in pairs], [max(r) - m for m, r in pairs]]
+        axes[0].bar(xs, medians, width, yerr=spread, capsize=3, label=name)
     axes[0].set_xticks(np.arange(len(lengths)) + width * (len(names) - 1) / 2, [f"prompt {n}" for n in lengths])
-    axes[0].set_ylabel("decode tokens / s (higher is better)")
+    axes[0].set_ylabel("decode tokens / s: median, min–max over rounds")
     axes[0].legend(fontsize=8)
     axes[1].bar(names, [results["peak_rss_gb"][name] for name in names], color=["C0", "C1", "C2"][: len(names)])
     axes[1].set_ylabel("peak RSS, GB (lower is better)")

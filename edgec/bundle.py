@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from edgec.errors import BundleError
+from edgec.manifest_schema import manifest_errors
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -69,6 +70,8 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
         raise BundleError(
             f"bundle format version {version} is newer than this edgec reads ({FORMAT_VERSION}); upgrade edgec"
         )
+    if errors := manifest_errors(manifest):
+        raise BundleError(f"{path} does not fit the bundle format v{version}: {'; '.join(errors[:3])}")
     for name, entry in manifest.get("files", {}).items():
         file = folder / name
         if not file.is_file():
