@@ -13,13 +13,19 @@ from typing import Any
 import numpy as np
 
 from edgec import __version__
-from edgec.bundle import atomic_folder, write_manifest
+from edgec.bundle import atomic_folder, write_manifest, write_npz
 from edgec.errors import BuildSettingsError
 from edgec.targets import Target, load_target
 
 STAGES = ("load", "export", "save", "validate", "bundle")
 VALIDATION_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    manifest: dict[str, Any]
+    timings: dict[str, float]  # seconds per stage
 
 
 @dataclass(frozen=True)
@@ -54,8 +60,8 @@ def resolve_context(settings: BuildSettings, max_context: int | None) -> int:
 
 def build(
     model_path: str | Path, output: str | Path, settings: BuildSettings, progress: Progress | None = None
-) -> dict:
-    """Compile ``model_path`` for ``settings.target`` into the bundle folder ``output``; returns the manifest."""
+) -> BuildResult:
+    """Compile ``model_path`` for ``settings.target`` into the bundle folder ``output``."""
     progress = progress or (lambda stage: None)
     target = _check_settings(settings)
     output = Path(output)
@@ -70,7 +76,7 @@ def build(
 
 def _build_into(
     model_path: Path, folder: Path, target: Target, settings: BuildSettings, context: int, progress: Progress
-) -> dict:
+) -> BuildResult:
     import onnx_ir as ir
 
     from edgec.chat_template import chat_format_from_tokenizer
@@ -134,9 +140,9 @@ def _build_into(
         "generation": generation,
         "passes": pass_counts,
         "validation": validation,
-        "build_timings": {key: round(value, 2) for key, value in timings.items()},
     }
-    return write_manifest(folder, manifest)
+    # timings vary from run to run: reported, but kept out of the (reproducible) bundle
+    return BuildResult(write_manifest(folder, manifest), {key: round(value, 2) for key, value in timings.items()})
 
 
 def _torch_last_logits(causal_lm, prompts: list[list[int]]) -> list[np.ndarray]:
@@ -167,11 +173,9 @@ def _validate(folder: Path, spec, prompts: list[list[int]], reference: list[np.n
         logits = step.run(np.asarray(ids, dtype=np.int64), 0, last_only=True)[-1]
         errors.append(float(np.abs(logits - expected).max()))
         agree.append(bool(int(logits.argmax()) == int(expected.argmax())))
-    np.savez(
-        folder / "validation.npz",
-        **{f"ids_{i}": np.asarray(p) for i, p in enumerate(prompts)},
-        **{f"logits_{i}": r for i, r in enumerate(reference)},
-    )
+    arrays = {f"ids_{i}": np.asarray(p, np.int64) for i, p in enumerate(prompts)}
+    arrays |= {f"logits_{i}": r for i, r in enumerate(reference)}
+    write_npz(folder / "validation.npz", arrays)
     return {
         "prompts": len(prompts),
         "max_abs_logit_error": max(errors),

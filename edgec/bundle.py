@@ -46,9 +46,35 @@ def file_table(folder: Path) -> dict[str, dict[str, Any]]:
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write manifest.json listing every file; with SOURCE_DATE_EPOCH set, every file's mtime is set to it."""
     manifest = {**manifest, "format_version": FORMAT_VERSION, "files": file_table(folder)}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    if (epoch := source_date_epoch()) is not None:
+        for path in folder.rglob("*"):
+            os.utime(path, (epoch, epoch))
     return manifest
+
+
+def source_date_epoch() -> int | None:
+    """The reproducible-builds timestamp (https://reproducible-builds.org/specs/source-date-epoch/), if set."""
+    value = os.environ.get("SOURCE_DATE_EPOCH")
+    return int(value) if value and value.isdigit() else None
+
+
+def write_npz(path: Path, arrays: dict[str, Any]) -> None:
+    """Like numpy.savez, but byte-for-byte reproducible (fixed member timestamps and order)."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        for name in sorted(arrays):
+            buffer = io.BytesIO()
+            np.lib.format.write_array(buffer, np.asarray(arrays[name]), allow_pickle=False)
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, buffer.getvalue())
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:

@@ -63,13 +63,14 @@ def build(model, target, output, context, prefill_chunk, allow_pickle, overwrite
         def advance(stage: str) -> None:
             progress.update(task, description=stage, completed=STAGES.index(stage))
 
-        manifest = run_build(model, output, settings, progress=advance)
+        result = run_build(model, output, settings, progress=advance)
         progress.update(task, description="done", completed=len(STAGES))
-    validation = manifest["validation"]
+    validation = result.manifest["validation"]
     click.echo(
         f"wrote {output} (validation: top-1 agreement {validation['top1_agreement']:.0%}, "
         f"max |Δlogit| {validation['max_abs_logit_error']:.2e})"
     )
+    click.echo("time: " + ", ".join(f"{stage[:-2]} {seconds:.1f} s" for stage, seconds in result.timings.items()))
 
 
 @main.command()
@@ -148,6 +149,63 @@ def inspect(bundle) -> None:
     for name, entry in manifest["files"].items():
         files.add_row(name, f"{entry['size']:,}", entry["sha256"][:16])
     console.print(files)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--compare", is_flag=True, help="Also run the bundle against its stored reference logits.")
+def verify(bundle, compare) -> None:
+    """Check a bundle: manifest, every file's sha256, the exact file set, the runtime library and GPU here.
+
+    One line per check; exit code 1 when any check fails.
+
+    \b
+    Example:
+      edgec verify smol.cpu.edgec --compare
+    """
+    from edgec.verify import verify as run_verify
+
+    checks = run_verify(bundle, compare=compare)
+    for check in checks:
+        click.echo(check.line())
+    failed = sum(check.status == "fail" for check in checks)
+    click.echo(f"{failed} failed, {len(checks) - failed} passed or skipped" if failed else "bundle verified")
+    sys.exit(1 if failed else 0)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Archive (.tar) to write.")
+@click.option("--wheels", is_flag=True, help="Include the runtime's wheels and an offline install script.")
+@click.option("--python", "python_version", default=None, help="Python of the target machine, e.g. 3.10.")
+@click.option("--platform", default=None, help="pip platform tag of the target, e.g. manylinux2014_x86_64.")
+def pack(bundle, output, wheels, python_version, platform) -> None:
+    """Pack a bundle (and optionally the runtime's wheels) into one archive for an offline machine.
+
+    \b
+    Example:
+      edgec pack smol.cpu.edgec -o smol.tar --wheels --python 3.10 --platform manylinux2014_x86_64
+    """
+    from edgec.pack import pack as run_pack
+
+    run_pack(bundle, output, wheels=wheels, python=python_version, platform=platform)
+    click.echo(f"wrote {output} ({output.stat().st_size / 2**20:,.1f} MiB)")
+
+
+@main.command()
+@click.argument("archive", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Folder to unpack into.")
+def unpack(archive, output) -> None:
+    """Unpack an archive made by `edgec pack`, checking every file of the bundle.
+
+    \b
+    Example:
+      edgec unpack smol.tar -o deploy/ && sh deploy/install.sh
+    """
+    from edgec.pack import unpack as run_unpack
+
+    bundle = run_unpack(archive, output)
+    click.echo(f"unpacked {bundle} (every file's sha256 checked)")
 
 
 def _op_histogram(model_path: Path) -> Counter:
