@@ -133,6 +133,12 @@ def atomic_folder(destination: Path, overwrite: bool = False) -> Iterator[Path]:
         if destination.exists():
             shutil.rmtree(destination)
         os.replace(temporary, destination)
+    except OSError as error:  # disk full, permissions, ...: a user's problem, not a bug
+        shutil.rmtree(temporary, ignore_errors=True)
+        where = f" ({error.filename})" if error.filename else ""
+        raise BundleError(
+            f"writing {destination} failed: {error.strerror or error}{where}; nothing was written"
+        ) from None
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise

@@ -76,11 +76,18 @@ def test_pack_with_wheels_installs_and_runs_offline(tiny_bundle, tmp_path):
     wheels = sorted(p.name.split("-")[0].lower() for p in (site / "wheels").glob("*.whl"))
     for needed in ("edgec", "numpy", "onnxruntime", "tokenizers"):
         assert needed in wheels
-    install = subprocess.run(["sh", str(site / "install.sh")], capture_output=True, text=True,
-                             env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "PIP_NO_INDEX": "1"})
+    install = subprocess.run(
+        ["sh", str(site / "install.sh")],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "PIP_NO_INDEX": "1"},
+    )
     assert install.returncode == 0, install.stdout + install.stderr
-    run = subprocess.run([str(site / ".venv/bin/python"), "-m", "edgec.runtime", str(bundle), "def f(x):", "-n", "5"],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [str(site / ".venv/bin/python"), "-m", "edgec.runtime", str(bundle), "def f(x):", "-n", "5"],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     from edgec.runtime import Model
 

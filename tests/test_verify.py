@@ -34,8 +34,15 @@ def test_a_good_bundle_verifies(tiny_bundle):
     assert "SKIP  cross-runtime" in result.output
 
 
-FILES = ["model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-         "chat_template.jinja", "validation.npz"]
+FILES = [
+    "model.onnx",
+    "model.onnx.data",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "validation.npz",
+]
 
 
 @pytest.mark.parametrize("name", FILES)

@@ -9,7 +9,9 @@ def choose_token(logits: np.ndarray, temperature: float, top_k: int, top_p: floa
     """Greedy when ``temperature`` is 0; otherwise sample after temperature, top-k and top-p (nucleus) filtering."""
     if temperature == 0:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / temperature
+    # shift before dividing: a tiny temperature then sends the others to -inf (greedy), never to inf - inf = NaN
+    with np.errstate(over="ignore"):
+        scaled = (logits.astype(np.float64) - logits.max()) / temperature
     if 0 < top_k < scaled.shape[-1]:
         candidates = np.argpartition(scaled, -top_k)[-top_k:]
     else:
