@@ -55,10 +55,28 @@ def download_wheels(folder: Path, python: str | None, platform: str | None) -> l
     target = ["--only-binary=:all:", "--implementation", "cp"]
     if python:
         target += ["--python-version", python]
-    if platform:
-        target += ["--platform", platform]
-    _pip(["download", "-q", "-d", str(folder), *target, *runtime_requirements()])
+    for tag in compatible_platforms(platform) if platform else []:
+        target += ["--platform", tag]
+    try:
+        _pip(["download", "-q", "-d", str(folder), *target, *runtime_requirements()])
+    except PackError as error:
+        raise PackError(f"{error} (for Python {python or 'this one'}, platform {platform or 'this one'})") from None
     return sorted(p.name for p in folder.glob("*.whl"))
+
+
+def compatible_platforms(platform: str) -> list[str]:
+    """pip takes --platform literally; a glibc 2.Y machine also runs wheels tagged for any older manylinux."""
+    legacy = {"manylinux1": 5, "manylinux2010": 12, "manylinux2014": 17}
+    name, _, arch = platform.partition("_x86_64") if platform.endswith("_x86_64") else platform.rpartition("_")
+    arch = "x86_64" if platform.endswith("_x86_64") else arch
+    if name in legacy:
+        newest = legacy[name]
+    elif name.startswith("manylinux_2_") and name[len("manylinux_2_") :].isdigit():
+        newest = int(name[len("manylinux_2_") :])
+    else:
+        return [platform]
+    tags = [f"manylinux_2_{minor}_{arch}" for minor in range(newest, 4, -1)]
+    return tags + [f"{old}_{arch}" for old, minor in legacy.items() if minor <= newest]
 
 
 def _pip(arguments: list[str]) -> None:
@@ -108,6 +126,7 @@ def _write_tar(output: Path, members: list[tuple[str, Path | bytes, int]]) -> No
                 else:
                     with open(content, "rb") as stream:
                         archive.addfile(entry, stream)
+        os.chmod(temporary, 0o644)  # mkstemp makes it private
         os.replace(temporary, output)
     except OSError as error:
         Path(temporary).unlink(missing_ok=True)
