@@ -30,11 +30,14 @@ class StepIO:
 
 
 def layer_windows(config) -> list[int]:
-    """Sliding window per layer (0 = global attention)."""
+    """Sliding window per layer (0 = global attention): per ``layer_types`` where the config has them (Gemma 3,
+    Qwen2), else the config's ``sliding_window`` for every layer (Mistral) unless ``use_sliding_window`` is off."""
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None) or 0
     if layer_types:
         return [window if kind == "sliding_attention" else 0 for kind in layer_types]
+    if window and getattr(config, "use_sliding_window", True):
+        return [window] * config.num_hidden_layers
     return [0] * config.num_hidden_layers
 
 

@@ -15,10 +15,48 @@ from typing import Any
 
 from edgec.errors import ModelLoadError, UnsupportedModelError
 
-# model_type → the transformers class that edgec traces. Other decoder-only families join as they are tested.
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM"}
-# GGUF general.architecture → transformers model_type
-GGUF_ARCHITECTURES = {"llama": "llama"}
+# model_type → the transformers class that edgec traces. Families join as their parity tests pass.
+SUPPORTED_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+# GGUF general.architecture → transformers model_type (Mistral GGUFs carry the "llama" architecture)
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "phi3": "phi3"}
+# why some well-known families are refused, so the message says more than "unsupported"
+UNSUPPORTED_KINDS = {
+    "mixture-of-experts": (
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "deepseek_v2",
+        "deepseek_v3",
+        "dbrx",
+        "olmoe",
+        "granitemoe",
+        "jamba",
+        "phimoe",
+        "gpt_oss",
+    ),
+    "encoder-decoder": ("t5", "mt5", "bart", "mbart", "pegasus", "marian", "whisper", "umt5", "longt5"),
+    "encoder-only": ("bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "xlm-roberta", "modernbert"),
+    "multimodal": (
+        "llava",
+        "llava_next",
+        "idefics",
+        "idefics2",
+        "idefics3",
+        "mllama",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "paligemma",
+        "gemma3",
+        "pixtral",
+        "smolvlm",
+        "blip-2",
+    ),
+}
 
 
 @dataclass
@@ -49,11 +87,14 @@ def _supported_names() -> str:
 
 
 def check_model_type(model_type: str | None, architectures: list[str] | None = None) -> None:
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"architecture {model_type!r} ({', '.join(architectures or []) or 'unknown class'}) is not supported; "
-            f"edgec compiles decoder-only models of these families: {_supported_names()}"
-        )
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    kind = next((kind for kind, types in UNSUPPORTED_KINDS.items() if model_type in types), None)
+    what = f"a {kind} model" if kind else "not a family edgec has been tested on"
+    raise UnsupportedModelError(
+        f"architecture {model_type!r} ({', '.join(architectures or []) or 'unknown class'}) is {what}; "
+        f"edgec compiles decoder-only text models of these families: {_supported_names()}"
+    )
 
 
 def inspect_source(path: str | Path, allow_pickle: bool = False) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Lower ``ai.edgec::KVAttention`` to ONNX Runtime's fused ``com.microsoft::GroupQueryAttention`` (ORT targets).
 
-Valid only for an uncompressed cache (no eviction, float storage, global attention): then slot = position, so
+Valid only for an uncompressed cache (no eviction, float storage, no ring of slots): then slot = position, so
 the slot cache *is* GQA's shared past/present buffer of length ``capacity``, and GQA's write offset
 (``seqlens_k + 1 - T``) equals the first new position because the runtime feeds positions contiguously from 0.
 GQA needs no ``pos`` state (with slot = position it is implied by the fill), so the lowering removes the pos
@@ -29,14 +29,10 @@ from edgec.kvcache import function as kv_function
 def kv_attention_gqa(model: ir.Model) -> int:
     """Rewrite in place; returns how many KVAttention nodes were lowered."""
     graph = model.graph
-    targets = [
-        node
-        for node in graph
-        if node.domain == kv_function.DOMAIN
-        and node.op_type == kv_function.OP_TYPE
-        and node.attributes.get("window", ir.AttrInt64("window", 0)).as_int() == 0
-        and _pos_state_is_private(node)
-    ]
+    nodes = [node for node in graph if node.domain == kv_function.DOMAIN and node.op_type == kv_function.OP_TYPE]
+    full = max((node.inputs[4].shape[2] for node in nodes), default=0)
+    # a sliding-window layer qualifies while its slots are not a ring smaller than the context (GQA cannot wrap)
+    targets = [node for node in nodes if node.inputs[4].shape[2] == full and _pos_state_is_private(node)]
     if not targets:
         return 0
     position_ids = targets[0].inputs[3]
@@ -64,6 +60,9 @@ def _lower(graph: ir.Graph, node: ir.Node, seqlens_k: ir.Value, total: ir.Value,
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     tape = ir.tape.Tape(graph_like=graph)
     attributes = {"num_heads": num_heads, "kv_num_heads": num_kv_heads, "scale": node.attributes["scale"].as_float()}
+    window = node.attributes.get("window", ir.AttrInt64("window", 0)).as_int()
+    if window > 0:  # GQA's local window W attends keys > q - W, as HF's sliding window does (tested)
+        attributes["local_window_size"] = window
     packed = _packed_rotary_source(q, k, v, num_heads, num_kv_heads, head_dim)
     if packed is not None:
         qkv, cos, sin = packed

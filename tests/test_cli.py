@@ -100,7 +100,7 @@ def _bert_gguf(path):
     [
         (lambda tmp, tiny: tmp / "nope", ["does not exist"]),
         (lambda tmp, tiny: (tmp / "empty").mkdir() or tmp / "empty", ["no config.json"]),
-        (lambda tmp, tiny: _bert_folder(tmp / "bert"), ["'bert'", "not supported", "llama"]),
+        (lambda tmp, tiny: _bert_folder(tmp / "bert"), ["'bert'", "encoder-only", "llama, mistral, phi3, qwen2"]),
         (lambda tmp, tiny: _pickle_folder(tmp / "pickled", tiny), ["pickle", "--allow-pickle"]),
         (lambda tmp, tiny: _truncated_safetensors(tmp / "truncated", tiny), ["model.safetensors", "not a valid"]),
         (lambda tmp, tiny: _garbage_safetensors(tmp / "garbage", tiny), ["model.safetensors", "not a valid"]),

@@ -94,6 +94,11 @@ def edgec_attention(module, query, key, value, attention_mask, scaling=None, dro
     router: CacheRouter = kwargs["edgec_cache"]
     position_ids = kwargs["position_ids"]
     layer_idx = module.layer_idx
+    traced_window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or 0
+    if traced_window != router.windows[layer_idx]:  # the cache layout was planned from the config: they must agree
+        raise RuntimeError(
+            f"layer {layer_idx}: model uses window {traced_window}, config gave {router.windows[layer_idx]}"
+        )
     k_cache, v_cache, pos_cache = router.layer(layer_idx)
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     out, k_new, v_new, pos_new = kv_attention(

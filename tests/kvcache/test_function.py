@@ -27,11 +27,12 @@ def test_function_body_matches_reference(heads, kv_heads, head_dim, capacity, wi
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,capacity", SHAPES)
-def test_gqa_lowering_matches_reference(heads, kv_heads, head_dim, capacity):
-    model = lowered(kv_attention_model(heads, kv_heads, head_dim, capacity, scale=0.3), kv_attention_gqa)
+@pytest.mark.parametrize("window", [0, 4])
+def test_gqa_lowering_matches_reference(heads, kv_heads, head_dim, capacity, window):
+    model = lowered(kv_attention_model(heads, kv_heads, head_dim, capacity, scale=0.3, window=window), kv_attention_gqa)
     assert [n.op_type for n in model.graph.node].count("GroupQueryAttention") == 1
     assert "pos_cache" not in [i.name for i in model.graph.input]  # implicit for GQA: slot = position
-    _run_against_reference(session(model), heads, kv_heads, head_dim, capacity, 0, seed=capacity, scale=0.3)
+    _run_against_reference(session(model), heads, kv_heads, head_dim, capacity, window, seed=capacity, scale=0.3)
 
 
 def test_ring_slots_reuse_in_order_past_capacity():
