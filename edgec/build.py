@@ -39,6 +39,11 @@ class BuildSettings:
 
 def _check_settings(settings: BuildSettings) -> Target:
     target = load_target(settings.target)
+    if not target.buildable:
+        raise BuildSettingsError(
+            f"target {target.name} ({target.runtime}) can be planned for (edgec plan) but not built yet; "
+            "buildable targets: cpu, cpu-portable"
+        )
     if settings.context is not None and settings.context < 1:
         raise BuildSettingsError(f"--context must be a positive number of tokens, got {settings.context}")
     if settings.prefill_chunk is not None and settings.prefill_chunk < 1:
@@ -58,6 +63,14 @@ def resolve_context(settings: BuildSettings, max_context: int | None) -> int:
     return context
 
 
+def check_fits(model_path: str | Path, target: Target, context: int, prefill_chunk: int) -> None:
+    """Run the memory planner on the settings this build produces (fp32 weights and cache, full capacity)."""
+    from edgec.plan import Settings, model_shape, plan
+
+    settings = Settings(weights="fp32", kv="fp32", context=context, prefill_chunk=prefill_chunk)
+    plan(model_shape(model_path), target, settings, fixed=frozenset({"weights", "kv", "prefill_chunk", "capacity"}))
+
+
 def build(
     model_path: str | Path, output: str | Path, settings: BuildSettings, progress: Progress | None = None
 ) -> BuildResult:
@@ -70,6 +83,7 @@ def build(
     # fail fast, from the config alone, before the output folder is touched or weights are read
     source = inspect_source(model_path, settings.allow_pickle)
     context = resolve_context(settings, source["max_context"])
+    check_fits(model_path, target, context, settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)))
     with atomic_folder(output, settings.overwrite) as folder:
         return _build_into(Path(model_path), folder, target, settings, context, progress)
 

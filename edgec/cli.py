@@ -74,6 +74,96 @@ def build(model, target, output, context, prefill_chunk, allow_pickle, overwrite
 
 
 @main.command()
+def targets() -> None:
+    """List the targets (one TOML file each in targets/).
+
+    \b
+    Example:
+      edgec targets
+    """
+    from rich.console import Console
+    from rich.table import Column, Table
+
+    from edgec.targets import available_targets, load_target
+
+    table = Table("device", "runtime", "sm", "memory", "usable", "dtypes", "build")
+    table.columns.insert(0, Column("target", no_wrap=True))
+    for name in available_targets():
+        t = load_target(name)
+        table.add_row(
+            name,
+            t.device,
+            t.runtime,
+            t.compute_capability or "",
+            f"{t.memory_bytes / 2**30:.0f} GiB",
+            f"{t.usable_bytes / 2**30:.1f} GiB",
+            ",".join(t.dtypes),
+            "yes" if t.buildable else "plan",
+        )
+    Console().print(table)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--target", "-t", default="cpu", show_default=True)
+@click.option("--context", type=int, default=None, help="Context in tokens [default: the model's maximum].")
+@click.option("--weights", type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "int4"]), default=None)
+@click.option("--kv", type=click.Choice(["fp32", "fp16", "fp8", "int8", "int4"]), default=None)
+@click.option("--prefill-chunk", type=int, default=None)
+def plan(model, target, context, weights, kv, prefill_chunk) -> None:
+    """Will MODEL fit TARGET, and with which settings? Needs only a config (no weights).
+
+    MODEL is a model folder, a config.json, a .gguf, or a bundled config name (llama-2-7b, llama-3-8b,
+    smollm2-135m). Settings you give are kept; the others are conceded in order until the plan fits.
+
+    \b
+    Example:
+      edgec plan llama-3-8b --target rtx3060-laptop --context 16384
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from edgec.plan import plan as make_plan
+
+    shape, chosen = _plan_inputs(model, target, context, weights, kv, prefill_chunk)
+    estimate = make_plan(shape, chosen[0], chosen[1], fixed=chosen[2])
+    table = Table("", "", title=f"{shape.name} on {estimate.target.name}: fits")
+    for key, value in estimate.table():
+        table.add_row(key, value)
+    console = Console()
+    console.print(table)
+    console.print(f"settings: {estimate.settings.describe()}")
+    console.print(f"concessions made: {', '.join(estimate.concessions) or 'none'}")
+    if shape.max_context and estimate.settings.context > shape.max_context:
+        console.print(
+            f"note: context {estimate.settings.context} is beyond the {shape.max_context} tokens "
+            f"{shape.name} was trained for"
+        )
+
+
+def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk):
+    from edgec.errors import BuildSettingsError
+    from edgec.plan import Settings, model_shape
+    from edgec.targets import load_target
+
+    target = load_target(target_name)
+    shape = model_shape(model)
+    for name, value in (("weights", weights), ("kv", kv)):
+        if value is not None and value not in target.dtypes:
+            raise BuildSettingsError(f"{target.name} has no {value} ({name}); it has {', '.join(target.dtypes)}")
+    if context is not None and context < 1:
+        raise BuildSettingsError(f"--context must be a positive number of tokens, got {context}")
+    settings = Settings(
+        weights=weights or target.defaults.get("weights", "fp32"),
+        kv=kv or target.defaults.get("kv", "fp32"),
+        context=context or shape.max_context or 4096,
+        prefill_chunk=prefill_chunk or int(target.defaults.get("prefill_chunk", 512)),
+    )
+    fixed = frozenset(n for n, v in (("weights", weights), ("kv", kv), ("prefill_chunk", prefill_chunk)) if v)
+    return shape, (target, settings, fixed)
+
+
+@main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.argument("prompt")
 @click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)

@@ -11,7 +11,10 @@ import tomllib
 from edgec.errors import BuildSettingsError
 
 RUNTIMES = ("ort-cpu", "ort-openvino", "ort-cuda", "ort-cann", "tensorrt-rtx", "tensorrt")
+BUILDABLE_RUNTIMES = ("ort-cpu",)  # the others are planned for (edgec plan) but not yet built
 DEVICES = ("cpu", "gpu", "npu")
+DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+FP8_FROM = (8, 9)  # FP8 tensor cores arrive with Ada (sm89)
 
 
 @dataclass(frozen=True)
@@ -23,12 +26,19 @@ class Target:
     memory_bytes: int
     usable_fraction: float
     dtypes: tuple[str, ...]
+    runtime_overhead_bytes: int = 0
+    compute_capability: str | None = None
     passes: tuple[str, ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def usable_bytes(self) -> int:
-        return int(self.memory_bytes * self.usable_fraction)
+        """What the model (weights + cache + activations) may use: the usable share less the runtime's own."""
+        return int(self.memory_bytes * self.usable_fraction) - self.runtime_overhead_bytes
+
+    @property
+    def buildable(self) -> bool:
+        return self.runtime in BUILDABLE_RUNTIMES
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -38,6 +48,7 @@ class Target:
             "memory_bytes": self.memory_bytes,
             "usable_fraction": self.usable_fraction,
             "dtypes": list(self.dtypes),
+            "compute_capability": self.compute_capability,
         }
 
 
@@ -57,7 +68,16 @@ def load_target(name: str) -> Target:
     files = _target_files()
     if name not in files:
         raise BuildSettingsError(f"unknown target {name!r}; available: {', '.join(sorted(files))}")
-    data = tomllib.loads(files[name].read_text())
+    try:
+        data = tomllib.loads(files[name].read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise BuildSettingsError(f"target file {name}.toml is not valid TOML: {error}") from None
+    return parse_target(name, data)
+
+
+def parse_target(name: str, data: dict[str, Any]) -> Target:
+    """Validate one target's data; every problem is a BuildSettingsError naming the file and the key."""
+    where = f"target file {name}.toml"
     try:
         target = Target(
             name=data["name"],
@@ -67,11 +87,43 @@ def load_target(name: str) -> Target:
             memory_bytes=int(data["memory_bytes"]),
             usable_fraction=float(data["usable_fraction"]),
             dtypes=tuple(data["dtypes"]),
+            runtime_overhead_bytes=int(data.get("runtime_overhead_bytes", 0)),
+            compute_capability=data.get("compute_capability"),
             passes=tuple(data.get("passes", ())),
             defaults=dict(data.get("defaults", {})),
         )
     except KeyError as missing:
-        raise BuildSettingsError(f"target file {name}.toml lacks the key {missing}") from None
-    if target.runtime not in RUNTIMES or target.device not in DEVICES or not 0 < target.usable_fraction <= 1:
-        raise BuildSettingsError(f"target file {name}.toml has an invalid device, runtime or usable_fraction")
+        raise BuildSettingsError(f"{where} lacks the key {missing}") from None
+    except (TypeError, ValueError) as error:
+        raise BuildSettingsError(f"{where} has a value of the wrong type ({error})") from None
+    problems = []
+    if target.name != name:
+        problems.append(f"name {target.name!r} differs from the file name")
+    if target.device not in DEVICES:
+        problems.append(f"device {target.device!r} is not one of {', '.join(DEVICES)}")
+    if target.runtime not in RUNTIMES:
+        problems.append(f"runtime {target.runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if not 0 < target.usable_fraction <= 1:
+        problems.append("usable_fraction must lie in (0, 1]")
+    if target.usable_bytes <= 0:
+        problems.append("runtime_overhead_bytes leaves no usable memory")
+    if unknown := sorted(set(target.dtypes) - set(DTYPES)):
+        problems.append(f"unknown dtypes {unknown}")
+    if target.device == "gpu" and not target.compute_capability:
+        problems.append("a gpu target needs compute_capability")
+    if "fp8" in target.dtypes and capability(target) < FP8_FROM:
+        problems.append(f"fp8 needs compute capability ≥ {FP8_FROM[0]}.{FP8_FROM[1]}")
+    for key in ("weights", "kv"):
+        if key in target.defaults and target.defaults[key] not in target.dtypes:
+            problems.append(f"defaults.{key} {target.defaults[key]!r} is not among its dtypes")
+    if problems:
+        raise BuildSettingsError(f"{where}: {'; '.join(problems)}")
     return target
+
+
+def capability(target: Target) -> tuple[int, int]:
+    """(major, minor) compute capability; (0, 0) for a target without one."""
+    if not target.compute_capability:
+        return (0, 0)
+    major, _, minor = str(target.compute_capability).partition(".")
+    return int(major), int(minor or 0)
