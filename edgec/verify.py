@@ -162,27 +162,30 @@ def compare_with_reference(bundle: Path, manifest: dict) -> list[Check]:
     return checks
 
 
-def compare_runtimes(bundle: Path, manifest: dict) -> Check:
+def compare_runtimes(bundle: Path, manifest: dict, providers: list[str] | None = None) -> Check:
     """Where a second ONNX Runtime provider is present, compare it with the CPU provider through polygraphy."""
     import onnxruntime
 
-    # Azure's provider calls a remote endpoint: not a second local runtime
-    others = [p for p in onnxruntime.get_available_providers() if p not in ("CPUExecutionProvider", NOT_COMPUTE)]
-    if not others:
+    if providers is None:
+        # Azure's provider calls a remote endpoint: not a second local runtime
+        available = onnxruntime.get_available_providers()
+        providers = ["CPUExecutionProvider"] + [p for p in available if p not in ("CPUExecutionProvider", NOT_COMPUTE)]
+    if len(providers) < 2:
         return Check("cross-runtime", "skip", "only ONNX Runtime's CPU provider is present on this machine")
+    first, second = providers[:2]
     try:
         from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
         from polygraphy.comparator import Comparator, CompareFunc
     except ImportError:
-        return Check("cross-runtime", "skip", f"{others[0]} present, but polygraphy is not: pip install polygraphy")
+        return Check("cross-runtime", "skip", f"{second} present, but polygraphy is not: pip install polygraphy")
     model_path = str(bundle / manifest["model"]["file"])
     runners = [
-        OnnxrtRunner(SessionFromOnnx(model_path, providers=[provider]), name=provider)
-        for provider in ("CPUExecutionProvider", others[0])
+        OnnxrtRunner(SessionFromOnnx(model_path, providers=[provider]), name=f"{index}:{provider}")
+        for index, provider in enumerate((first, second))
     ]
     results = Comparator.run(runners, data_loader=_validation_feeds(bundle, manifest))
     ok = bool(Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=1e-2, rtol=1e-2)))
-    return Check("cross-runtime", "pass" if ok else "fail", f"CPUExecutionProvider vs {others[0]} (polygraphy)")
+    return Check("cross-runtime", "pass" if ok else "fail", f"{first} vs {second} (polygraphy)")
 
 
 def _validation_feeds(bundle: Path, manifest: dict) -> list[dict]:
