@@ -17,7 +17,7 @@ from edgec.bundle import atomic_folder, write_manifest, write_npz
 from edgec.errors import BuildSettingsError
 from edgec.targets import Target, load_target
 
-STAGES = ("load", "export", "save", "validate", "bundle")
+STAGES = ("load", "export", "save", "validate", "engine", "bundle")
 VALIDATION_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
 Progress = Callable[[str], None]
 
@@ -42,7 +42,7 @@ def _check_settings(settings: BuildSettings) -> Target:
     if not target.buildable:
         raise BuildSettingsError(
             f"target {target.name} ({target.runtime}) can be planned for (edgec plan) but not built yet; "
-            "buildable targets: cpu, cpu-portable"
+            "buildable: cpu, cpu-portable and the TensorRT-RTX GPUs (see edgec targets)"
         )
     if settings.context is not None and settings.context < 1:
         raise BuildSettingsError(f"--context must be a positive number of tokens, got {settings.context}")
@@ -64,10 +64,11 @@ def resolve_context(settings: BuildSettings, max_context: int | None) -> int:
 
 
 def check_fits(model_path: str | Path, target: Target, context: int, prefill_chunk: int) -> None:
-    """Run the memory planner on the settings this build produces (fp32 weights and cache, full capacity)."""
+    """Run the memory planner on the settings this build produces (float weights and cache, full capacity)."""
     from edgec.plan import Settings, model_shape, plan
 
-    settings = Settings(weights="fp32", kv="fp32", context=context, prefill_chunk=prefill_chunk)
+    dtype = "fp16" if "float16" in target.passes else "fp32"
+    settings = Settings(weights=dtype, kv=dtype, context=context, prefill_chunk=prefill_chunk)
     plan(model_shape(model_path), target, settings, fixed=frozenset({"weights", "kv", "prefill_chunk", "capacity"}))
 
 
@@ -84,6 +85,7 @@ def build(
     source = inspect_source(model_path, settings.allow_pickle)
     context = resolve_context(settings, source["max_context"])
     check_fits(model_path, target, context, settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)))
+
     with atomic_folder(output, settings.overwrite) as folder:
         return _build_into(Path(model_path), folder, target, settings, context, progress)
 
@@ -112,8 +114,13 @@ def _build_into(
     start = time.perf_counter()
     model = export_step(loaded.causal_lm, spec)
     pass_counts = run_passes(model, list(target.passes))
-    graph_inputs = {value.name for value in model.graph.inputs}
-    spec = dataclasses.replace(spec, positions=spec.layers[0].input_names()[2] in graph_inputs)
+    graph_inputs = {value.name: value for value in model.graph.inputs}
+    k_name, _, pos_name = spec.layers[0].input_names()
+    spec = dataclasses.replace(
+        spec,
+        positions=pos_name in graph_inputs,
+        dtype="float16" if graph_inputs[k_name].dtype == ir.DataType.FLOAT16 else "float32",
+    )
     timings["export_s"] = time.perf_counter() - start
     del loaded.causal_lm
 
@@ -128,9 +135,20 @@ def _build_into(
 
     progress("validate")
     start = time.perf_counter()
-    prefill_chunk = settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512))
+    prefill_chunk = min(context, settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)))
     validation = _validate(folder, spec, prompts, reference_logits)
     timings["validate_s"] = time.perf_counter() - start
+
+    progress("engine")
+    runtime = {"library": "onnxruntime", "min_version": "1.20", "providers": ["CPUExecutionProvider"]}
+    if target.runtime == "tensorrt-rtx":
+        from edgec.trt import build_engine
+
+        start = time.perf_counter()
+        engine, runtime = build_engine(folder / "model.onnx", target, max_tokens=prefill_chunk)
+        (folder / "engine.trt").write_bytes(engine)
+        runtime |= {"min_version": runtime["version"], "providers": [], "engine": "engine.trt"}
+        timings["engine_s"] = time.perf_counter() - start
 
     progress("bundle")
     manifest = {
@@ -138,7 +156,7 @@ def _build_into(
         "source": loaded.source,
         "target": target.to_json(),
         "build_settings": {**asdict(settings), "context": context, "prefill_chunk": prefill_chunk},
-        "runtime": {"library": "onnxruntime", "min_version": "1.20", "providers": ["CPUExecutionProvider"]},
+        "runtime": runtime,
         "model": {
             "file": "model.onnx",
             "vocab_size": int(loaded.config.vocab_size),
@@ -185,7 +203,7 @@ def _validate(folder: Path, spec, prompts: list[list[int]], reference: list[np.n
     for ids, expected in zip(prompts, reference, strict=True):
         step.reset()
         logits = step.run(np.asarray(ids, dtype=np.int64), 0, last_only=True)[-1]
-        errors.append(float(np.abs(logits - expected).max()))
+        errors.append(float(np.abs(logits.astype(np.float32) - expected).max()))
         agree.append(bool(int(logits.argmax()) == int(expected.argmax())))
     arrays = {f"ids_{i}": np.asarray(p, np.int64) for i, p in enumerate(prompts)}
     arrays |= {f"logits_{i}": r for i, r in enumerate(reference)}
@@ -194,5 +212,6 @@ def _validate(folder: Path, spec, prompts: list[list[int]], reference: list[np.n
         "prompts": len(prompts),
         "max_abs_logit_error": max(errors),
         "top1_agreement": sum(agree) / len(agree),
+        "validated_with": "ONNX Runtime CPU, on model.onnx (the graph any engine in the bundle was built from)",
         "reference": "validation.npz (token ids and the source model's last-position logits)",
     }

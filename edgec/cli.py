@@ -217,6 +217,14 @@ def inspect(bundle) -> None:
     console.print(f"[bold]{bundle}[/bold]  format v{manifest['format_version']}, edgec {manifest['edgec_version']}")
     console.print(f"source: {source['name']} ({source['model_type']}, {source['kind']})")
     console.print(f"target: {manifest['target']['name']} ({manifest['target']['runtime']})")
+    runtime = manifest["runtime"]
+    if runtime.get("engine"):
+        size = manifest["files"][runtime["engine"]]["size"]
+        console.print(
+            f"engine: {runtime['engine']} ({size / 2**20:,.1f} MiB), {runtime['library']} "
+            f"{runtime['version']}, compute capability {runtime['compute_capability']}, "
+            f"≤ {runtime['max_tokens_per_step']} tokens per step; rebuildable from {manifest['model']['file']}"
+        )
     console.print(f"context: {settings['context']} tokens, prefill chunk {settings['prefill_chunk']}")
     console.print(
         f"cache: {cache['dtype']}, {len(cache['layers'])} layers, {cache['bytes_per_token']:,} bytes/token, "

@@ -98,6 +98,10 @@ def _version_tuple(text: str) -> tuple[int, ...]:
 
 def _runtime_checks(manifest: dict, checks: list[Check]) -> None:
     runtime = manifest["runtime"]
+    if runtime["library"] == "tensorrt_rtx":
+        checks.append(_tensorrt_rtx_check(runtime))
+        checks.append(_gpu_check(manifest["target"]))
+        return
     try:
         import onnxruntime
     except ImportError:
@@ -123,6 +127,20 @@ def _runtime_checks(manifest: dict, checks: list[Check]) -> None:
     checks.append(_gpu_check(manifest["target"]))
 
 
+def _tensorrt_rtx_check(runtime: dict) -> Check:
+    try:
+        import tensorrt_rtx
+    except ImportError:
+        return Check("runtime library", "fail", "tensorrt_rtx is not installed: pip install 'edgec[tensorrt-rtx]'")
+    # an engine loads only in the TensorRT-RTX release that built it (the bundle's ONNX can rebuild it)
+    same = tensorrt_rtx.__version__ == runtime["version"]
+    return Check(
+        "runtime library",
+        "pass" if same else "fail",
+        f"tensorrt_rtx {tensorrt_rtx.__version__}, engine built with {runtime['version']}",
+    )
+
+
 def _gpu_check(target: dict) -> Check:
     wanted = target.get("compute_capability")
     if target["device"] != "gpu" or not wanted:
@@ -133,8 +151,14 @@ def _gpu_check(target: dict) -> Check:
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         have = "{}.{}".format(*pynvml.nvmlDeviceGetCudaComputeCapability(handle))
-    except Exception as error:  # no library, no driver or no GPU: all mean it cannot run here
-        return Check("gpu", "fail", f"needs compute capability {wanted}; cannot read a GPU here ({error})")
+    except ImportError:
+        return Check(
+            "gpu",
+            "fail",
+            f"needs an NVIDIA GPU of compute capability {wanted}; to check for one here: pip install nvidia-ml-py",
+        )
+    except Exception as error:  # no driver or no GPU: it cannot run here
+        return Check("gpu", "fail", f"needs an NVIDIA GPU of compute capability {wanted}; none found ({error})")
     return Check("gpu", "pass" if have == str(wanted) else "fail", f"this GPU is sm {have}, bundle built for {wanted}")
 
 

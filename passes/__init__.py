@@ -10,12 +10,14 @@ from collections.abc import Callable
 import onnx_ir as ir
 
 from edgec.errors import BuildSettingsError
+from edgec.passes.float16 import float16
 from edgec.passes.fuse_projections import fuse_projections
 from edgec.passes.kv_attention_gqa import kv_attention_gqa
 from edgec.passes.skip_rms_norm import skip_rms_norm
 from edgec.passes.transposed_weight_gemm import transposed_weight_gemm
 
 PASSES: dict[str, Callable[[ir.Model], int]] = {
+    "float16": float16,
     "fuse_projections": fuse_projections,
     "kv_attention_gqa": kv_attention_gqa,
     "skip_rms_norm": skip_rms_norm,

@@ -11,7 +11,7 @@ import tomllib
 from edgec.errors import BuildSettingsError
 
 RUNTIMES = ("ort-cpu", "ort-openvino", "ort-cuda", "ort-cann", "tensorrt-rtx", "tensorrt")
-BUILDABLE_RUNTIMES = ("ort-cpu",)  # the others are planned for (edgec plan) but not yet built
+BUILDABLE_RUNTIMES = ("ort-cpu", "tensorrt-rtx")  # the others are planned for (edgec plan), not yet built
 DEVICES = ("cpu", "gpu", "npu")
 DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
 FP8_FROM = (8, 9)  # FP8 tensor cores arrive with Ada (sm89)

@@ -55,7 +55,9 @@ class OrtStep:
         self._token = np.zeros((1, 1), np.int64)
         self._position = np.zeros((1, 1), np.int64)
         self._last = np.zeros(1, np.int64)
-        self._logits = np.zeros((1, 1, vocab_size), np.float32)
+        logits_type = next(o.type for o in self.session.get_outputs() if o.name == "logits")
+        self._logits_dtype = np.float16 if logits_type == "tensor(float16)" else np.float32
+        self._logits = np.zeros((1, 1, vocab_size), self._logits_dtype)
         self._decode = self._binding(self._token, self._position, self._last, self._logits)
 
     def _binding(self, ids, positions, index, logits) -> ort.IOBinding:
@@ -83,7 +85,7 @@ class OrtStep:
             self.session.run_with_iobinding(self._decode)
             return self._logits[0]
         index = np.array([count - 1], np.int64) if last_only else np.arange(count, dtype=np.int64)
-        logits = np.empty((1, len(index), self._logits.shape[-1]), np.float32)
+        logits = np.empty((1, len(index), self._logits.shape[-1]), self._logits_dtype)
         positions = np.arange(start, start + count, dtype=np.int64).reshape(1, count)
         binding = self._binding(np.ascontiguousarray(ids, np.int64).reshape(1, count), positions, index, logits)
         self.session.run_with_iobinding(binding)

@@ -29,8 +29,6 @@ class Model:
     """
 
     def __init__(self, path: Path, manifest: dict[str, Any], threads: int | None = None) -> None:
-        from edgec.runtime.backend_ort import OrtStep
-
         self.path = path
         self.manifest = manifest
         self.cache_spec = CacheSpec.from_json(manifest["cache"])
@@ -44,10 +42,7 @@ class Model:
             ChatFormat.from_json(chat) if chat else None,
             manifest["tokenizer"].get("chat_note", ""),
         )
-        providers = manifest["runtime"].get("providers", ["CPUExecutionProvider"])
-        self._step = OrtStep(
-            path / manifest["model"]["file"], self.cache_spec, self.vocab_size, providers=providers, threads=threads
-        )
+        self._step = _backend(path, manifest, self.cache_spec, self.vocab_size, threads)
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, check_hashes: bool = False) -> Model:
@@ -198,6 +193,38 @@ class Model:
         )
         pieces = _cut_at_stops(self.tokenizer.stream(t for t in tokens if t not in self.eos_token_ids), stops)
         return pieces if stream else "".join(pieces)
+
+
+# the extra to install for each ONNX Runtime execution provider a bundle may name
+PROVIDER_EXTRAS = {
+    "CUDAExecutionProvider": "cuda",
+    "CANNExecutionProvider": "cann",
+    "OpenVINOExecutionProvider": "openvino",
+}
+
+
+def _backend(path: Path, manifest: dict[str, Any], spec: CacheSpec, vocab_size: int, threads: int | None):
+    """The backend the manifest names; a missing library or provider is an error naming the extra — never a
+    silent fallback to another device."""
+    runtime = manifest["runtime"]
+    if runtime["library"] == "tensorrt_rtx":
+        from edgec.runtime.backend_trt import TrtStep
+
+        max_tokens = runtime.get("max_tokens_per_step", manifest["build_settings"]["prefill_chunk"])
+        return TrtStep(path / runtime["engine"], spec, vocab_size, max_tokens)
+    import onnxruntime
+
+    from edgec.runtime.backend_ort import OrtStep
+
+    providers = runtime.get("providers") or ["CPUExecutionProvider"]
+    missing = [p for p in providers if p not in onnxruntime.get_available_providers()]
+    if missing:
+        extra = PROVIDER_EXTRAS.get(missing[0], "runtime")
+        raise BundleError(
+            f"this bundle needs ONNX Runtime's {missing[0]}, which is not installed here: "
+            f"pip install 'edgec[{extra}]' (on a machine with that device)"
+        )
+    return OrtStep(path / manifest["model"]["file"], spec, vocab_size, providers=providers, threads=threads)
 
 
 def _check_sampling(max_new_tokens, temperature, top_k, top_p, seed) -> None:

@@ -1,0 +1,25 @@
+"""All float32 weights, activations and cache state → float16 (GPU and NPU targets compute in fp16).
+
+Uses ONNX Runtime's float16 converter (onnxruntime.transformers.float16), which keeps ops that have no fp16 form
+in fp32 behind Casts. Inputs and outputs become fp16 too: the cache state halves, and the runtime reads the
+logits' dtype from the graph. The KVAttention function body needs no change: its constants are CastLike'd to
+whatever type flows in.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+
+def float16(model: ir.Model) -> int:
+    """Rewrite in place; returns how many float32 initializers became float16."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    before = sum(v.dtype == ir.DataType.FLOAT for v in model.graph.initializers.values())
+    proto = convert_float_to_float16(ir.serde.serialize_model(model), keep_io_types=False, disable_shape_infer=True)
+    converted = ir.serde.deserialize_model(proto)
+    # replace the model's contents in place (passes mutate the model they are given)
+    model.graph = converted.graph
+    model.functions.clear()
+    model.functions.update(converted.functions)  # opset imports live on the graph and came with it
+    return before
