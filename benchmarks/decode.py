@@ -1,6 +1,7 @@
 """Decode speed, prefill time and peak memory: edgec vs onnxruntime-genai vs PyTorch eager, on SmolLM2-135M.
 
     python benchmarks/decode.py                      # fp32 (the foundation comparison)
+    python benchmarks/decode.py --precision int4     # edgec --weights int4 vs onnxruntime-genai -p int4
     python benchmarks/decode.py --rounds 7 --threads 2
 
 Speed is measured in ONE process with the runtimes alternating round by round (2-thread ONNX Runtime speed varies
@@ -27,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models  # noqa: E402
 
 OUT = models.OUT
-EDGEC_BUNDLE = OUT / "smollm2-cpu-fp32.edgec"
-GENAI_MODEL = OUT / "genai-fp32"
+PRECISION = "int4" if "int4" in sys.argv else "fp32"  # chosen before the runners are defined (also for workers)
+EDGEC_BUNDLE = OUT / f"smollm2-cpu-{PRECISION}.edgec"
+GENAI_MODEL = OUT / f"genai-{PRECISION}"
 CONTEXT = 2048  # enough for the 1024-token prompt + 64 new tokens; genai sizes its cache to max_length likewise
 
 
@@ -57,7 +59,17 @@ def prepare(threads: int) -> dict:
     builds = {}
     if not (EDGEC_BUNDLE / "manifest.json").exists():
         builds["edgec"] = run_measured(
-            ["edgec", "build", str(models.smollm2_gguf()), "-o", str(EDGEC_BUNDLE), "--context", str(CONTEXT)]
+            [
+                "edgec",
+                "build",
+                str(models.smollm2_gguf()),
+                "-o",
+                str(EDGEC_BUNDLE),
+                "--context",
+                str(CONTEXT),
+                "--weights",
+                PRECISION,
+            ]
         )
     if not (GENAI_MODEL / "genai_config.json").exists():
         hf = models.smollm2_hf_folder()
@@ -88,7 +100,7 @@ def prepare(threads: int) -> dict:
 
 
 class EdgecRunner:
-    name = "edgec fp32"
+    name = f"edgec {PRECISION}"
 
     def __init__(self, threads: int) -> None:
         from edgec.runtime import Model
@@ -106,7 +118,7 @@ class EdgecRunner:
 
 
 class GenaiRunner:
-    name = "onnxruntime-genai fp32"
+    name = f"onnxruntime-genai {PRECISION}"
 
     def __init__(self, threads: int) -> None:
         import onnxruntime_genai as og
@@ -190,7 +202,18 @@ def measure_speed(names: list[str], lengths: list[int], rounds: int, new_tokens:
 
 def measure_memory(name: str, threads: int, new_tokens: int) -> float:
     done = subprocess.run(
-        [sys.executable, __file__, "--worker", name, "--threads", str(threads), "--new-tokens", str(new_tokens)],
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            name,
+            "--threads",
+            str(threads),
+            "--new-tokens",
+            str(new_tokens),
+            "--precision",
+            PRECISION,
+        ],
         capture_output=True,
         text=True,
     )
@@ -222,7 +245,7 @@ def plot(results: dict, path: Path) -> None:
     axes[1].bar(names, [results["peak_rss_gb"][name] for name in names], color=["C0", "C1", "C2"][: len(names)])
     axes[1].set_ylabel("peak RSS, GB (lower is better)")
     axes[1].tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"SmolLM2-135M fp32, {results['threads']} threads, {results['machine']}, {results['date']}")
+    fig.suptitle(f"SmolLM2-135M {PRECISION}, {results['threads']} threads, {results['machine']}, {results['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -234,6 +257,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lengths", default="128,1024")
     parser.add_argument("--runtimes", default="edgec,genai,torch")
+    parser.add_argument("--precision", choices=["fp32", "int4"], default="fp32")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:  # memory phase: one runtime, fresh process, print peak RSS in GB
@@ -258,8 +282,8 @@ def main() -> None:
     results["peak_rss_gb"] = {
         RUNNERS[n].name: round(measure_memory(n, args.threads, args.new_tokens), 2) for n in names
     }
-    (OUT / "decode.json").write_text(json.dumps(results, indent=2))
-    plot(results, OUT / "decode.png")
+    (OUT / f"decode-{PRECISION}.json").write_text(json.dumps(results, indent=2))
+    plot(results, OUT / f"decode-{PRECISION}.png")
     reference = results["speed"].get(GenaiRunner.name)
     print(
         f"| runtime | {' | '.join(f'decode tok/s, prompt {n}' for n in lengths)} | prefill {lengths[-1]} | peak RSS |"
@@ -273,7 +297,7 @@ def main() -> None:
             cells.append(f"{tok_s:.1f}{ratio}")
         prefill = per_length[str(lengths[-1])]["prefill_s"]
         print(f"| {name} | {' | '.join(cells)} | {prefill:.2f} s | {results['peak_rss_gb'][name]:.2f} GB |")
-    print(f"builds: {builds or 'cached'}; wrote {OUT / 'decode.json'} and {OUT / 'decode.png'}")
+    print(f"builds: {builds or 'cached'}; wrote {OUT}/decode-{PRECISION}.json and .png")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ class BuildSettings:
     target: str = "cpu"
     context: int | None = None  # cache capacity in tokens; None = the model's maximum
     prefill_chunk: int | None = None  # None = the target's default
+    weights: str | None = None  # fp32, fp16 or int4; None = the target's default
+    block_size: int = 32  # int4: input channels per scale
+    symmetric: bool = False  # int4: no zero point (always symmetric for TensorRT-RTX, which takes no UINT4)
     allow_pickle: bool = False
     overwrite: bool = False
 
@@ -51,6 +54,34 @@ def _check_settings(settings: BuildSettings) -> Target:
     return target
 
 
+BUILDABLE_WEIGHTS = ("fp32", "fp16", "int4")
+
+
+def pass_plan(target: Target, settings: BuildSettings) -> tuple[list[str], dict[str, dict], str]:
+    """The passes this build runs (the target's, adjusted for the weight format), their options, and the
+    weight format."""
+    weights = settings.weights or target.defaults.get("weights", "fp32")
+    if weights not in target.dtypes:
+        raise BuildSettingsError(f"{target.name} has no {weights} weights; it has {', '.join(target.dtypes)}")
+    if weights not in BUILDABLE_WEIGHTS:
+        raise BuildSettingsError(f"--weights {weights} cannot be built yet; use {', '.join(BUILDABLE_WEIGHTS)}")
+    if settings.block_size not in (32, 64, 128):
+        raise BuildSettingsError(f"--block-size must be 32, 64 or 128, got {settings.block_size}")
+    names = [name for name in target.passes if not (name == "float16" and weights == "fp32")]
+    if weights == "fp16" and "float16" not in names:
+        names.append("float16")
+    options: dict[str, dict] = {}
+    if weights == "int4":
+        form = "matmulnbits" if target.runtime in ("ort-cpu", "ort-cuda") else "qdq"
+        names.insert(names.index("float16") if "float16" in names else len(names), "int4_weights")
+        options["int4_weights"] = {
+            "block_size": settings.block_size,
+            "form": form,
+            "symmetric": settings.symmetric or form == "qdq",
+        }
+    return names, options, weights
+
+
 def resolve_context(settings: BuildSettings, max_context: int | None) -> int:
     maximum = int(max_context or 0)
     context = settings.context or maximum
@@ -63,12 +94,11 @@ def resolve_context(settings: BuildSettings, max_context: int | None) -> int:
     return context
 
 
-def check_fits(model_path: str | Path, target: Target, context: int, prefill_chunk: int) -> None:
-    """Run the memory planner on the settings this build produces (float weights and cache, full capacity)."""
+def check_fits(model_path: str | Path, target: Target, context: int, prefill_chunk: int, weights: str, kv: str) -> None:
+    """Run the memory planner on the settings this build produces (full cache capacity): refuse what cannot fit."""
     from edgec.plan import Settings, model_shape, plan
 
-    dtype = "fp16" if "float16" in target.passes else "fp32"
-    settings = Settings(weights=dtype, kv=dtype, context=context, prefill_chunk=prefill_chunk)
+    settings = Settings(weights=weights, kv=kv, context=context, prefill_chunk=prefill_chunk)
     plan(model_shape(model_path), target, settings, fixed=frozenset({"weights", "kv", "prefill_chunk", "capacity"}))
 
 
@@ -84,8 +114,15 @@ def build(
     # fail fast, from the config alone, before the output folder is touched or weights are read
     source = inspect_source(model_path, settings.allow_pickle)
     context = resolve_context(settings, source["max_context"])
-    check_fits(model_path, target, context, settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)))
-
+    names, options, weights = pass_plan(target, settings)
+    check_fits(
+        model_path,
+        target,
+        context,
+        settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)),
+        weights,
+        "fp16" if "float16" in names else "fp32",
+    )
     with atomic_folder(output, settings.overwrite) as folder:
         return _build_into(Path(model_path), folder, target, settings, context, progress)
 
@@ -113,7 +150,8 @@ def _build_into(
     progress("export")
     start = time.perf_counter()
     model = export_step(loaded.causal_lm, spec)
-    pass_counts = run_passes(model, list(target.passes))
+    names, options, weights = pass_plan(target, settings)
+    pass_counts = run_passes(model, names, options)
     graph_inputs = {value.name: value for value in model.graph.inputs}
     k_name, _, pos_name = spec.layers[0].input_names()
     spec = dataclasses.replace(
@@ -155,7 +193,7 @@ def _build_into(
         "edgec_version": __version__,
         "source": loaded.source,
         "target": target.to_json(),
-        "build_settings": {**asdict(settings), "context": context, "prefill_chunk": prefill_chunk},
+        "build_settings": {**asdict(settings), "context": context, "prefill_chunk": prefill_chunk, "weights": weights},
         "runtime": runtime,
         "model": {
             "file": "model.onnx",

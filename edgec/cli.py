@@ -34,9 +34,25 @@ def main() -> None:
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Bundle folder to write.")
 @click.option("--context", type=int, default=None, help="Cache capacity in tokens [default: the model's maximum].")
 @click.option("--prefill-chunk", type=int, default=None, help="Prompt tokens per prefill step [default: target's].")
+@click.option(
+    "--weights",
+    type=click.Choice(["fp32", "fp16", "int8", "int4"]),
+    default=None,
+    help="Weight format [default: the target's].",
+)
+@click.option(
+    "--block-size",
+    type=click.Choice(["32", "64", "128"]),
+    default="32",
+    show_default=True,
+    help="int4: input channels per scale.",
+)
+@click.option("--symmetric", is_flag=True, help="int4: no zero point.")
 @click.option("--allow-pickle", is_flag=True, help="Accept pickle (*.bin) weights; pickle can run arbitrary code.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at -o.")
-def build(model, target, output, context, prefill_chunk, allow_pickle, overwrite) -> None:
+def build(
+    model, target, output, context, prefill_chunk, weights, block_size, symmetric, allow_pickle, overwrite
+) -> None:
     """Build a bundle from a Hugging Face folder or a .gguf file.
 
     \b
@@ -49,7 +65,14 @@ def build(model, target, output, context, prefill_chunk, allow_pickle, overwrite
     from edgec.build import build as run_build
 
     settings = BuildSettings(
-        target=target, context=context, prefill_chunk=prefill_chunk, allow_pickle=allow_pickle, overwrite=overwrite
+        target=target,
+        context=context,
+        prefill_chunk=prefill_chunk,
+        weights=weights,
+        block_size=int(block_size),
+        symmetric=symmetric,
+        allow_pickle=allow_pickle,
+        overwrite=overwrite,
     )
     columns = (
         TextColumn("{task.description:<10}"),

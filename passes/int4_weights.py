@@ -1,0 +1,240 @@
+"""Block-wise INT4 weights for every MatMul with a constant weight, the tied lm_head and the embedding table.
+
+Round to nearest per block of ``block_size`` input channels, with a zero point unless ``symmetric``. Two forms:
+
+- ``matmulnbits``: ``com.microsoft::MatMulNBits`` — ONNX Runtime CPU/CUDA only, the fast form there. Quantized
+  here (numpy) with a *float* zero point per block, which makes it grid-aware: a block whose values already lie on
+  an affine grid of ≤ 16 levels (every block of a Q4_0/Q4_1 GGUF, dequantized) is carried across exactly, and any
+  other block gets plain min/max round-to-nearest. The embedding (``GatherBlockQuantized``) and the lm_head, the
+  most sensitive matrices, get 8 bits per block (absmax/127: exact for a GGUF's Q8_0 blocks).
+- ``qdq``: standard ``DequantizeLinear`` (int4, blocked) + ``MatMul`` (ORT's quantizer) — portable (TensorRT-RTX).
+
+A tied lm_head reads the embedding through ``Transpose``; the quantizer needs a constant weight, so the transpose
+is materialised first (the int4 copy costs 0.56 bytes per parameter of the table, not 4).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+FORMS = ("matmulnbits", "qdq")
+BLOCK_SIZES = (32, 64, 128)
+
+
+def int4_weights(
+    model: ir.Model, block_size: int = 32, symmetric: bool = False, form: str = "matmulnbits", accuracy_level: int = 4
+) -> int:
+    """Rewrite in place; returns how many weights were quantized."""
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization import matmul_nbits_quantizer as quantizer
+
+    if form not in FORMS or block_size not in BLOCK_SIZES:
+        raise ValueError(f"form must be one of {FORMS} and block_size one of {BLOCK_SIZES}")
+    _materialize_transposed_weights(model)
+    portable = form == "qdq"
+    if not portable:
+        _matmul_nbits(model, block_size, symmetric, accuracy_level)
+        _gather_block_quantized(model, block_size)
+        return sum(node.op_type in ("MatMulNBits", "GatherBlockQuantized") for node in model.graph)
+    config = quantizer.DefaultWeightOnlyQuantConfig(
+        block_size=block_size,
+        is_symmetric=symmetric,
+        quant_format=QuantFormat.QDQ,
+        op_types_to_quantize=("MatMul",),
+        quant_axes=(("MatMul", 0),),
+    )
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    work = quantizer.MatMulNBitsQuantizer(ir.serde.serialize_model(model), algo_config=config)
+    work.process()
+    quantized = ir.serde.deserialize_model(work.model.model)
+    model.graph = quantized.graph  # opset imports live on the graph and come with it
+    model.functions.clear()
+    model.functions.update(quantized.functions)
+    return sum(node.op_type == "DequantizeLinear" for node in model.graph)
+
+
+def _gather_block_quantized(model: ir.Model, block_size: int) -> None:
+    """Embedding lookups (Gather on axis 0 of a constant table) → 8-bit GatherBlockQuantized."""
+    graph = model.graph
+    for node in list(graph):
+        table = node.inputs[0] if node.op_type == "Gather" and node.domain == "" else None
+        axis = node.attributes.get("axis")
+        if table is None or not table.is_initializer() or table.const_value is None or len(table.shape) != 2:
+            continue
+        if (axis is not None and axis.as_int() != 0) or table.dtype != ir.DataType.FLOAT:
+            continue
+        rows, columns = table.shape
+        if columns % block_size:
+            continue
+        packed, scales, _ = quantize_blocks(table.const_value.numpy().T, block_size, symmetric=True, bits=8)
+        data = packed.reshape(rows, columns)
+        zero_points = np.full((rows, columns // block_size), 128, np.uint8)
+        inputs = [None, node.inputs[1], None, None]
+        for index, (suffix, array) in zip(
+            (0, 2, 3), (("q8", data), ("scales", scales.reshape(rows, -1)), ("zero_points", zero_points)), strict=True
+        ):
+            value = ir.Value(name=f"{table.name}.{suffix}", const_value=ir.tensor(array))
+            value.shape, value.type = ir.Shape(array.shape), ir.TensorType(ir.DataType.from_numpy(array.dtype))
+            graph.register_initializer(value)
+            inputs[index] = value
+        tape = ir.tape.Tape(graph_like=graph)
+        result = tape.op(
+            "GatherBlockQuantized",
+            inputs,
+            attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": block_size, "bits": 8},
+            domain="com.microsoft",
+        )
+        graph.insert_before(node, tape.nodes)
+        name, value_type, shape = node.outputs[0].name, node.outputs[0].type, node.outputs[0].shape
+        node.outputs[0].replace_all_uses_with(result, replace_graph_outputs=True)
+        node.outputs[0].name = f"{name}__float"
+        result.name, result.type, result.shape = name, value_type, shape
+        graph.remove(node, safe=True)
+        if not table.uses():
+            graph.initializers.pop(table.name)
+
+
+def _output_projection(graph: ir.Graph) -> ir.Node | None:
+    """The MatMul that produces the logits (through reshapes only), if any."""
+    logits = next((value for value in graph.outputs if value.name == "logits"), None)
+    node = logits.producer() if logits is not None else None
+    while node is not None and node.op_type == "Reshape":
+        node = node.inputs[0].producer()
+    return node if node is not None and node.op_type == "MatMul" else None
+
+
+def _materialize_transposed_weights(model: ir.Model) -> None:
+    """Transpose(W) feeding a MatMul, and Gemm(x, W, transB=1), become MatMul with a constant W^T."""
+    for node in list(model.graph):
+        if node.op_type == "Gemm" and _plain_transposed_gemm(node):
+            x, weight = node.inputs[:2]
+            transposed = _transposed_copy(model, weight)
+            tape = ir.tape.Tape(graph_like=model.graph)
+            product = tape.op("MatMul", [x, transposed])
+            model.graph.insert_before(node, tape.nodes)
+            name, value_type, shape = node.outputs[0].name, node.outputs[0].type, node.outputs[0].shape
+            node.outputs[0].replace_all_uses_with(product, replace_graph_outputs=True)
+            node.outputs[0].name = f"{name}__gemm"
+            product.name, product.type, product.shape = name, value_type, shape
+            model.graph.remove(node, safe=True)
+            continue
+        source = node.inputs[0] if node.inputs else None
+        if node.op_type != "Transpose" or source is None or not source.is_initializer() or len(source.shape) != 2:
+            continue
+        node.outputs[0].replace_all_uses_with(_transposed_copy(model, source))
+        model.graph.remove(node, safe=True)
+
+
+def _plain_transposed_gemm(node: ir.Node) -> bool:
+    attributes = {name: attr.value for name, attr in node.attributes.items()}
+    weight = node.inputs[1]
+    return (
+        len(node.inputs) == 2
+        and attributes.get("transB") == 1
+        and not attributes.get("transA")
+        and attributes.get("alpha", 1.0) == 1.0
+        and weight is not None
+        and weight.is_initializer()
+    )
+
+
+def _transposed_copy(model: ir.Model, source: ir.Value) -> ir.Value:
+    name = f"{source.name}.transposed"
+    if name in model.graph.initializers:
+        return model.graph.initializers[name]
+    weight = source.const_value.numpy()
+    transposed = ir.Value(name=name, const_value=ir.tensor(np.ascontiguousarray(weight.T)))
+    transposed.shape, transposed.type = ir.Shape(weight.T.shape), ir.TensorType(source.dtype)
+    model.graph.register_initializer(transposed)
+    return transposed
+
+
+def quantize_blocks(weight: np.ndarray, block_size: int, symmetric: bool, bits: int = 4):
+    """weight [K, N] → (packed uint8 [N, blocks, block_size*bits/8], scales [N*blocks], float zero points or None).
+    Dequantized value = (q - zero_point) * scale. 8 bits are symmetric (absmax/127 per block: exact for a GGUF
+    Q8_0 block, whose scale is defined that way)."""
+    k, n = weight.shape
+    blocks = -(-k // block_size)
+    padded = np.zeros((blocks * block_size, n), np.float32)
+    padded[:k] = weight
+    x = padded.T.reshape(n, blocks, block_size).astype(np.float64)
+    if bits == 8:
+        scale = np.abs(x).max(-1, keepdims=True) / 127
+        scale[scale == 0] = 1
+        q = (np.clip(np.rint(x / scale), -128, 127) + 128).astype(np.uint8)
+        return q, scale.astype(np.float32).reshape(-1), None
+    if symmetric:
+        scale = np.abs(x).max(-1, keepdims=True) / 7
+        scale[scale == 0] = 1
+        q = np.clip(np.rint(x / scale), -8, 7) + 8
+        zero_points = None
+    else:
+        low, high = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
+
+        def on_grid(step: np.ndarray) -> np.ndarray:
+            ratio = (x - low) / np.where(step == 0, 1, step)
+            return (step > 0) & (np.abs(ratio - np.rint(ratio)) < 1e-3).all(-1, keepdims=True)
+
+        # a block already on a grid of ≤ 16 levels (a dequantized Q4 block) keeps that grid's step: exact
+        scale = (high - low) / 15
+        found = on_grid(scale)
+        for levels in range(14, 0, -1):
+            step = (high - low) / levels
+            hit = ~found & on_grid(step)
+            scale, found = np.where(hit, step, scale), found | hit
+        scale[scale == 0] = 1
+        q = np.clip(np.rint((x - low) / scale), 0, 15)
+        zero_points = (-low / scale).astype(np.float32).reshape(-1)
+    q = q.astype(np.uint8)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    return packed, scale.astype(np.float32).reshape(-1), zero_points
+
+
+def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_level: int) -> None:
+    graph = model.graph
+    output_layer = _output_projection(graph)
+    for node in list(graph):
+        weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" else None
+        if weight is None or not weight.is_initializer() or weight.const_value is None or len(weight.shape) != 2:
+            continue
+        if weight.dtype != ir.DataType.FLOAT:
+            continue
+        array = weight.const_value.numpy()
+        k, n = array.shape
+        # the lm_head (like the embedding) is the most sensitive matrix: 8 bits (GGUFs keep it at Q8_0 or better)
+        bits = 8 if node is output_layer else 4
+        packed, scales, zero_points = quantize_blocks(array, block_size, symmetric, bits)
+        inputs = [node.inputs[0]]
+        for suffix, data in (("q4", packed), ("scales", scales), ("zero_points", zero_points)):
+            if data is None:
+                continue
+            value = ir.Value(name=f"{weight.name}.{suffix}", const_value=ir.tensor(data))
+            value.shape, value.type = ir.Shape(data.shape), ir.TensorType(ir.DataType.from_numpy(data.dtype))
+            graph.register_initializer(value)
+            inputs.append(value)
+        tape = ir.tape.Tape(graph_like=graph)
+        result = tape.op(
+            "MatMulNBits",
+            inputs,
+            # int8 activations (accuracy level 4) are fast for the 4-bit layers but not exact for the 8-bit lm_head
+            attributes={
+                "K": k,
+                "N": n,
+                "bits": bits,
+                "block_size": block_size,
+                "accuracy_level": accuracy_level if bits == 4 else 0,
+            },
+            domain="com.microsoft",
+        )
+        graph.insert_before(node, tape.nodes)
+        name, value_type, shape = node.outputs[0].name, node.outputs[0].type, node.outputs[0].shape
+        node.outputs[0].replace_all_uses_with(result, replace_graph_outputs=True)
+        node.outputs[0].name = f"{name}__float"
+        result.name, result.type, result.shape = name, value_type, shape
+        graph.remove(node, safe=True)
+        if not weight.uses():
+            graph.initializers.pop(weight.name)
+    model.opset_imports.setdefault("com.microsoft", 1)

@@ -1,0 +1,116 @@
+"""INT4 weights: the block quantizer (grid-exact for GGUF Q4/Q8 blocks), and a build with --weights int4."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import edgec.passes  # noqa: F401  (registers the pass modules)
+from edgec.build import BuildSettings, build
+from edgec.errors import BuildSettingsError
+from edgec.runtime import Model
+
+int4 = sys.modules["edgec.passes.int4_weights"]
+
+
+def dequantize(packed, scales, zero_points, k, n, block, bits=4):
+    if bits == 4:
+        q = np.stack([packed & 15, packed >> 4], -1).reshape(n, -1, block).astype(np.float64)
+    else:
+        q = packed.astype(np.float64)
+    zero = zero_points.reshape(n, -1, 1) if zero_points is not None else (8 if bits == 4 else 128)
+    return ((q - zero) * scales.reshape(n, -1, 1)).reshape(n, -1)[:, :k].T
+
+
+def q4_1_like(rng, k, n, block=32):
+    """Weights as a Q4_1 GGUF dequantizes them: d * q + m per block of 32 input channels."""
+    q = rng.integers(0, 16, (k, n))
+    d = rng.uniform(0.005, 0.05, (k // block, n)).repeat(block, 0)
+    m = rng.uniform(-0.3, 0.0, (k // block, n)).repeat(block, 0)
+    weight = (d * q + m).astype(np.float32)
+    weight[:block, 0] = (d[0, 0] * rng.integers(4, 11, block) + m[0, 0]).astype(np.float32)  # a narrow block
+    return weight
+
+
+def test_q4_grids_are_carried_across_exactly():
+    rng = np.random.default_rng(0)
+    weight = q4_1_like(rng, 128, 24)
+    packed, scales, zero_points = int4.quantize_blocks(weight, 32, symmetric=False)
+    assert packed.shape == (24, 4, 16) and packed.dtype == np.uint8
+    assert np.abs(dequantize(packed, scales, zero_points, 128, 24, 32) - weight).max() < 1e-6
+
+
+def test_q8_0_blocks_are_exact_at_8_bits():
+    rng = np.random.default_rng(1)
+    d = rng.uniform(0.001, 0.01, (2, 7)).repeat(32, 0)
+    q = rng.integers(-127, 128, (64, 7))
+    q[0], q[32] = 127, -127  # Q8_0 defines d = absmax / 127, so each block reaches ±127
+    weight = (d * q).astype(np.float32)
+    packed, scales, _ = int4.quantize_blocks(weight, 32, symmetric=True, bits=8)
+    assert np.abs(dequantize(packed, scales, None, 64, 7, 32, bits=8) - weight).max() < 1e-6
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("k", [64, 70])  # 70: the last block is padded
+def test_round_to_nearest_error_is_half_a_step(symmetric, k):
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((k, 9)).astype(np.float32)
+    packed, scales, zero_points = int4.quantize_blocks(weight, 32, symmetric)
+    error = np.abs(dequantize(packed, scales, zero_points, k, 9, 32) - weight)
+    step = np.repeat(scales.reshape(9, -1), 32, axis=1)[:, :k].T
+    assert (error <= step / 2 + 1e-6).all()
+
+
+@pytest.fixture(scope="module")
+def q4_source(tmp_path_factory, tiny_tokenizer):
+    """A tiny Llama whose linear weights sit on Q4_1 grids and whose embedding sits on a Q8_0 grid, like a GGUF."""
+    from tests.conftest import make_llama_folder
+
+    folder = make_llama_folder(tmp_path_factory.mktemp("q4") / "model", tiny_tokenizer, seed=3)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    rng = np.random.default_rng(4)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() != 2:
+                continue
+            if "embed" in name:
+                d = np.abs(parameter.numpy()).reshape(parameter.shape[0], -1, 32).max(-1, keepdims=True) / 127
+                grid = np.rint(parameter.numpy().reshape(d.shape[0], -1, 32) / d) * d
+                parameter.copy_(torch.from_numpy(grid.reshape(parameter.shape).astype(np.float32)))
+            else:  # torch Linear weight [out, in]: blocks run along "in"
+                parameter.copy_(torch.from_numpy(q4_1_like(rng, parameter.shape[1], parameter.shape[0]).T.copy()))
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_int4_build_of_a_q4_source_is_lossless(q4_source, tmp_path):
+    fp32 = build(q4_source, tmp_path / "fp32.edgec", BuildSettings(context=96, prefill_chunk=32))
+    quantized = build(q4_source, tmp_path / "int4.edgec", BuildSettings(context=96, prefill_chunk=32, weights="int4"))
+    assert quantized.manifest["build_settings"]["weights"] == "int4"
+    import onnx
+
+    ops = [
+        n.op_type for n in onnx.load(str(tmp_path / "int4.edgec" / "model.onnx"), load_external_data=False).graph.node
+    ]
+    assert ops.count("MatMulNBits") >= 4 and ops.count("GatherBlockQuantized") == 1 and "MatMul" not in ops
+    ids = np.random.default_rng(5).integers(0, 384, 80).tolist()
+    a, b = Model.load(tmp_path / "fp32.edgec"), Model.load(tmp_path / "int4.edgec")
+    assert np.abs(a.logprobs(ids) - b.logprobs(ids)).max() < 1e-3
+    size = lambda r: r.manifest["files"]["model.onnx.data"]["size"]  # noqa: E731
+    assert size(quantized) < 0.5 * size(fp32)
+    assert fp32.manifest["validation"]["top1_agreement"] == 1.0
+
+
+def test_weight_options_are_checked(tiny_llama, tmp_path):
+    with pytest.raises(BuildSettingsError, match="int8 cannot be built yet"):
+        build(tiny_llama, tmp_path / "a", BuildSettings(weights="int8"))
+    with pytest.raises(BuildSettingsError, match="rtx3060 has no fp8 weights"):
+        build(tiny_llama, tmp_path / "b", BuildSettings(target="rtx3060", weights="fp8"))
+    with pytest.raises(BuildSettingsError, match="--block-size"):
+        build(tiny_llama, tmp_path / "c", BuildSettings(weights="int4", block_size=48))
+    assert not any(tmp_path.iterdir())
