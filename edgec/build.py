@@ -36,6 +36,7 @@ class BuildSettings:
     weights: str | None = None  # fp32, fp16 or int4; None = the target's default
     block_size: int = 32  # int4: input channels per scale
     symmetric: bool = False  # int4: no zero point (always symmetric for TensorRT-RTX, which takes no UINT4)
+    accuracy_level: int = 4  # int4 on ONNX Runtime: 4 = int8 activations (fast), 1 = fp32 activations (exact)
     allow_pickle: bool = False
     overwrite: bool = False
 
@@ -65,6 +66,8 @@ def pass_plan(target: Target, settings: BuildSettings) -> tuple[list[str], dict[
         raise BuildSettingsError(f"{target.name} has no {weights} weights; it has {', '.join(target.dtypes)}")
     if weights not in BUILDABLE_WEIGHTS:
         raise BuildSettingsError(f"--weights {weights} cannot be built yet; use {', '.join(BUILDABLE_WEIGHTS)}")
+    if settings.accuracy_level not in (0, 1, 2, 3, 4):
+        raise BuildSettingsError(f"--accuracy-level must be 0-4, got {settings.accuracy_level}")
     if settings.block_size not in (32, 64, 128):
         raise BuildSettingsError(f"--block-size must be 32, 64 or 128, got {settings.block_size}")
     names = [name for name in target.passes if not (name == "float16" and weights == "fp32")]
@@ -78,6 +81,7 @@ def pass_plan(target: Target, settings: BuildSettings) -> tuple[list[str], dict[
             "block_size": settings.block_size,
             "form": form,
             "symmetric": settings.symmetric or form == "qdq",
+            "accuracy_level": settings.accuracy_level,
         }
     return names, options, weights
 

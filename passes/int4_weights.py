@@ -3,10 +3,13 @@
 Round to nearest per block of ``block_size`` input channels, with a zero point unless ``symmetric``. Two forms:
 
 - ``matmulnbits``: ``com.microsoft::MatMulNBits`` — ONNX Runtime CPU/CUDA only, the fast form there. Quantized
-  here (numpy) with a *float* zero point per block, which makes it grid-aware: a block whose values already lie on
-  an affine grid of ≤ 16 levels (every block of a Q4_0/Q4_1 GGUF, dequantized) is carried across exactly, and any
-  other block gets plain min/max round-to-nearest. The embedding (``GatherBlockQuantized``) and the lm_head, the
-  most sensitive matrices, get 8 bits per block (absmax/127: exact for a GGUF's Q8_0 blocks).
+  here (numpy), grid-aware: a block whose values already lie on an affine grid of ≤ 16 levels (every block of a
+  Q4_0/Q4_1 GGUF, dequantized) is carried across exactly, any other block gets min/max round-to-nearest. A block's
+  minimum is not a multiple of its step in general (Q4_1), and MatMulNBits is ~50× slower with float zero points
+  than with integer ones, so the weight is stored as ``(q - 8) · step`` and the per-block offset is added back by a
+  small second product: ``Y = MatMulNBits(A, Q) + blocksum(A) @ offsets`` (offsets: [K/block, N], fp32). The
+  embedding (``GatherBlockQuantized``) and the lm_head, the most sensitive matrices, get 8 bits per block
+  (absmax/127: exact for a GGUF's Q8_0 blocks).
 - ``qdq``: standard ``DequantizeLinear`` (int4, blocked) + ``MatMul`` (ORT's quantizer) — portable (TensorRT-RTX).
 
 A tied lm_head reads the embedding through ``Transpose``; the quantizer needs a constant weight, so the transpose
@@ -153,9 +156,9 @@ def _transposed_copy(model: ir.Model, source: ir.Value) -> ir.Value:
 
 
 def quantize_blocks(weight: np.ndarray, block_size: int, symmetric: bool, bits: int = 4):
-    """weight [K, N] → (packed uint8 [N, blocks, block_size*bits/8], scales [N*blocks], float zero points or None).
-    Dequantized value = (q - zero_point) * scale. 8 bits are symmetric (absmax/127 per block: exact for a GGUF
-    Q8_0 block, whose scale is defined that way)."""
+    """weight [K, N] → (packed uint8 [N, blocks, block_size*bits/8], scales [N*blocks], offsets [N*blocks] or None).
+    Dequantized value = (q - 2**(bits-1)) · scale + offset (MatMulNBits' default zero point, plus an offset for
+    asymmetric blocks). 8 bits are symmetric: absmax/127 per block, exact for a GGUF Q8_0 block."""
     k, n = weight.shape
     blocks = -(-k // block_size)
     padded = np.zeros((blocks * block_size, n), np.float32)
@@ -170,7 +173,7 @@ def quantize_blocks(weight: np.ndarray, block_size: int, symmetric: bool, bits: 
         scale = np.abs(x).max(-1, keepdims=True) / 7
         scale[scale == 0] = 1
         q = np.clip(np.rint(x / scale), -8, 7) + 8
-        zero_points = None
+        offsets = None
     else:
         low, high = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
 
@@ -187,10 +190,17 @@ def quantize_blocks(weight: np.ndarray, block_size: int, symmetric: bool, bits: 
             scale, found = np.where(hit, step, scale), found | hit
         scale[scale == 0] = 1
         q = np.clip(np.rint((x - low) / scale), 0, 15)
-        zero_points = (-low / scale).astype(np.float32).reshape(-1)
+        offsets = (low + 8 * scale).astype(np.float32).reshape(-1)
     q = q.astype(np.uint8)
     packed = q[..., 0::2] | (q[..., 1::2] << 4)
-    return packed, scale.astype(np.float32).reshape(-1), zero_points
+    return packed, scale.astype(np.float32).reshape(-1), offsets
+
+
+def _constant(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
+    value = ir.Value(name=name, const_value=ir.tensor(data))
+    value.shape, value.type = ir.Shape(data.shape), ir.TensorType(ir.DataType.from_numpy(data.dtype))
+    graph.register_initializer(value)
+    return value
 
 
 def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_level: int) -> None:
@@ -204,31 +214,36 @@ def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_le
             continue
         array = weight.const_value.numpy()
         k, n = array.shape
+        x = node.inputs[0]
+        rank = len(x.shape) if x.shape is not None else 0
         # the lm_head (like the embedding) is the most sensitive matrix: 8 bits (GGUFs keep it at Q8_0 or better)
         bits = 8 if node is output_layer else 4
-        packed, scales, zero_points = quantize_blocks(array, block_size, symmetric, bits)
-        inputs = [node.inputs[0]]
-        for suffix, data in (("q4", packed), ("scales", scales), ("zero_points", zero_points)):
-            if data is None:
-                continue
-            value = ir.Value(name=f"{weight.name}.{suffix}", const_value=ir.tensor(data))
-            value.shape, value.type = ir.Shape(data.shape), ir.TensorType(ir.DataType.from_numpy(data.dtype))
-            graph.register_initializer(value)
-            inputs.append(value)
+        # the offset product needs whole blocks and a known input rank; otherwise the weight is symmetric
+        whole = k % block_size == 0 and rank in (2, 3)
+        packed, scales, offsets = quantize_blocks(array, block_size, symmetric or not whole, bits)
         tape = ir.tape.Tape(graph_like=graph)
         result = tape.op(
             "MatMulNBits",
-            inputs,
-            # int8 activations (accuracy level 4) are fast for the 4-bit layers but not exact for the 8-bit lm_head
+            [x, _constant(graph, f"{weight.name}.q{bits}", packed), _constant(graph, f"{weight.name}.scales", scales)],
+            # the 8-bit lm_head always computes with int8 activations (level 4): ONNX Runtime has no fast fp32 kernel
+            # for 8-bit weights (SmolLM2's lm_head alone takes 85 ms a step at level 1)
             attributes={
                 "K": k,
                 "N": n,
                 "bits": bits,
                 "block_size": block_size,
-                "accuracy_level": accuracy_level if bits == 4 else 0,
+                "accuracy_level": accuracy_level if bits == 4 else 4,
             },
             domain="com.microsoft",
         )
+        if offsets is not None:
+            blocks = k // block_size
+            shape = np.array([0] * (rank - 1) + [blocks, block_size], np.int64)
+            split = tape.op("Reshape", [x, _constant(graph, f"{weight.name}.blocks_shape", shape)])
+            axis = _constant(graph, f"{weight.name}.last_axis", np.array([-1], np.int64))
+            sums = tape.op("ReduceSum", [split, axis], attributes={"keepdims": 0})
+            table = _constant(graph, f"{weight.name}.offsets", offsets.reshape(n, blocks).T.copy())
+            result = tape.op("Add", [result, tape.op("MatMul", [sums, table])])
         graph.insert_before(node, tape.nodes)
         name, value_type, shape = node.outputs[0].name, node.outputs[0].type, node.outputs[0].shape
         node.outputs[0].replace_all_uses_with(result, replace_graph_outputs=True)

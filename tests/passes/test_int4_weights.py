@@ -16,13 +16,13 @@ from edgec.runtime import Model
 int4 = sys.modules["edgec.passes.int4_weights"]
 
 
-def dequantize(packed, scales, zero_points, k, n, block, bits=4):
+def dequantize(packed, scales, offsets, k, n, block, bits=4):
     if bits == 4:
         q = np.stack([packed & 15, packed >> 4], -1).reshape(n, -1, block).astype(np.float64)
     else:
         q = packed.astype(np.float64)
-    zero = zero_points.reshape(n, -1, 1) if zero_points is not None else (8 if bits == 4 else 128)
-    return ((q - zero) * scales.reshape(n, -1, 1)).reshape(n, -1)[:, :k].T
+    offset = offsets.reshape(n, -1, 1) if offsets is not None else 0
+    return ((q - 2 ** (bits - 1)) * scales.reshape(n, -1, 1) + offset).reshape(n, -1)[:, :k].T
 
 
 def q4_1_like(rng, k, n, block=32):
@@ -90,16 +90,22 @@ def q4_source(tmp_path_factory, tiny_tokenizer):
 
 def test_int4_build_of_a_q4_source_is_lossless(q4_source, tmp_path):
     fp32 = build(q4_source, tmp_path / "fp32.edgec", BuildSettings(context=96, prefill_chunk=32))
-    quantized = build(q4_source, tmp_path / "int4.edgec", BuildSettings(context=96, prefill_chunk=32, weights="int4"))
+    quantized = build(
+        q4_source,
+        tmp_path / "int4.edgec",
+        BuildSettings(context=96, prefill_chunk=32, weights="int4", accuracy_level=1),
+    )
     assert quantized.manifest["build_settings"]["weights"] == "int4"
     import onnx
 
-    ops = [
-        n.op_type for n in onnx.load(str(tmp_path / "int4.edgec" / "model.onnx"), load_external_data=False).graph.node
-    ]
-    assert ops.count("MatMulNBits") >= 4 and ops.count("GatherBlockQuantized") == 1 and "MatMul" not in ops
+    graph = onnx.load(str(tmp_path / "int4.edgec" / "model.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("MatMulNBits") >= 4 and ops.count("GatherBlockQuantized") == 1
+    # the only float products left add back the per-block offsets of the asymmetric int4 weights
+    assert all(n.input[1].endswith(".offsets") for n in graph.node if n.op_type == "MatMul")
     ids = np.random.default_rng(5).integers(0, 384, 80).tolist()
     a, b = Model.load(tmp_path / "fp32.edgec"), Model.load(tmp_path / "int4.edgec")
+    # accuracy level 1 computes in fp32, so the exact weights give the fp32 result
     assert np.abs(a.logprobs(ids) - b.logprobs(ids)).max() < 1e-3
     size = lambda r: r.manifest["files"]["model.onnx.data"]["size"]  # noqa: E731
     assert size(quantized) < 0.5 * size(fp32)
