@@ -87,7 +87,7 @@ def prepare(threads: int) -> dict:
                 "-e",
                 "cpu",
                 "-c",
-                str(OUT / "genai-cache"),
+                str(OUT / f"genai-cache-{PRECISION}"),  # a shared cache reuses the other precision
                 "--extra_options",
                 "prune_lm_head=true",
             ]
