@@ -83,7 +83,7 @@ def prepare(threads: int) -> dict:
                 "-o",
                 str(GENAI_MODEL),
                 "-p",
-                "fp32",
+                PRECISION,
                 "-e",
                 "cpu",
                 "-c",
