@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgec.bundle import sha256_file
 from edgec.errors import ModelLoadError, UnsupportedModelError
 
 # model_type → the transformers class that edgec traces. Families join as their parity tests pass.
@@ -67,14 +68,6 @@ class LoadedModel:
     tokenizer: Any  # transformers PreTrainedTokenizerFast
     config: Any
     source: dict[str, Any] = field(default_factory=dict)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _set_offline() -> None:

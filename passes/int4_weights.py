@@ -23,6 +23,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from edgec.passes._graph import take_over
+
 FORMS = ("matmulnbits", "qdq")
 BLOCK_SIZES = (32, 64, 128)
 
@@ -91,10 +93,7 @@ def _gather_block_quantized(model: ir.Model, block_size: int) -> None:
             domain="com.microsoft",
         )
         graph.insert_before(node, tape.nodes)
-        name, value_type, shape = node.outputs[0].name, node.outputs[0].type, node.outputs[0].shape
-        node.outputs[0].replace_all_uses_with(result, replace_graph_outputs=True)
-        node.outputs[0].name = f"{name}__float"
-        result.name, result.type, result.shape = name, value_type, shape
+        take_over(node.outputs[0], result)
         graph.remove(node, safe=True)
         if not table.uses():
             graph.initializers.pop(table.name)
@@ -118,10 +117,7 @@ def _materialize_transposed_weights(model: ir.Model) -> None:
             tape = ir.tape.Tape(graph_like=model.graph)
             product = tape.op("MatMul", [x, transposed])
             model.graph.insert_before(node, tape.nodes)
-            name, value_type, shape = node.outputs[0].name, node.outputs[0].type, node.outputs[0].shape
-            node.outputs[0].replace_all_uses_with(product, replace_graph_outputs=True)
-            node.outputs[0].name = f"{name}__gemm"
-            product.name, product.type, product.shape = name, value_type, shape
+            take_over(node.outputs[0], product)
             model.graph.remove(node, safe=True)
             continue
         source = node.inputs[0] if node.inputs else None
@@ -245,10 +241,7 @@ def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_le
             table = _constant(graph, f"{weight.name}.offsets", offsets.reshape(n, blocks).T.copy())
             result = tape.op("Add", [result, tape.op("MatMul", [sums, table])])
         graph.insert_before(node, tape.nodes)
-        name, value_type, shape = node.outputs[0].name, node.outputs[0].type, node.outputs[0].shape
-        node.outputs[0].replace_all_uses_with(result, replace_graph_outputs=True)
-        node.outputs[0].name = f"{name}__float"
-        result.name, result.type, result.shape = name, value_type, shape
+        take_over(node.outputs[0], result)
         graph.remove(node, safe=True)
         if not weight.uses():
             graph.initializers.pop(weight.name)

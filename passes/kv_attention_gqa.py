@@ -24,6 +24,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from edgec.kvcache import function as kv_function
+from edgec.passes._graph import take_over
 
 
 def kv_attention_gqa(model: ir.Model) -> int:
@@ -83,7 +84,7 @@ def _lower(graph: ir.Graph, node: ir.Node, seqlens_k: ir.Value, total: ir.Value,
     graph.insert_before(node, tape.nodes)
     for old, new in zip(node.outputs[:3], (out4, present_k, present_v), strict=True):
         if old.uses() or old.is_graph_output():
-            _take_over(old, new)
+            take_over(old, new)
     graph.outputs.remove(node.outputs[3])
     graph.remove(node, safe=True)
     graph.inputs.remove(pos_cache)
@@ -105,13 +106,6 @@ def _i64(tape: ir.tape.Tape, values: list[int]) -> ir.Value:
     return tape.op("Constant", [], attributes={"value": ir.tensor(values, dtype=ir.DataType.INT64)})
 
 
-def _take_over(old: ir.Value, new: ir.Value) -> None:
-    name, old_type, old_shape = old.name, old.type, old.shape
-    old.replace_all_uses_with(new, replace_graph_outputs=True)
-    old.name = f"{name}__lowered"
-    new.name, new.type, new.shape = name, old_type, old_shape
-
-
 def _constant_ints(value: ir.Value | None) -> list[int] | None:
     if value is None:
         return None
@@ -129,7 +123,7 @@ def _merge_heads_away(graph: ir.Graph, attention_out: ir.Value, gqa_out: ir.Valu
         reshape = use.node
         shape = _constant_ints(reshape.inputs[1]) if reshape.op_type == "Reshape" else None
         if shape is not None and len(shape) == 3 and shape[2] == hidden and 0 not in shape:
-            _take_over(reshape.outputs[0], gqa_out)
+            take_over(reshape.outputs[0], gqa_out)
             graph.remove(reshape, safe=True)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from edgec.passes._graph import take_over
+
 
 def skip_rms_norm(model: ir.Model) -> int:
     """Rewrite in place; returns how many Add + RMSNormalization pairs were fused."""
@@ -34,18 +36,11 @@ def skip_rms_norm(model: ir.Model) -> int:
             num_outputs=4,
         )
         graph.insert_before(add, tape.nodes)
-        _take_over(norm.outputs[0], outputs[0])
-        _take_over(add.outputs[0], outputs[3])
+        take_over(norm.outputs[0], outputs[0])
+        take_over(add.outputs[0], outputs[3])
         graph.remove(norm, safe=True)
         graph.remove(add, safe=True)
         fused += 1
     if fused:
         model.opset_imports.setdefault("com.microsoft", 1)
     return fused
-
-
-def _take_over(old: ir.Value, new: ir.Value) -> None:
-    name, old_type, old_shape = old.name, old.type, old.shape
-    old.replace_all_uses_with(new, replace_graph_outputs=True)
-    old.name = f"{name}__fused"
-    new.name, new.type, new.shape = name, old_type, old_shape

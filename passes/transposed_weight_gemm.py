@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from edgec.passes._graph import take_over
+
 
 def _transposed_initializer(value: ir.Value | None) -> ir.Value | None:
     node = value.producer() if value is not None else None
@@ -45,11 +47,7 @@ def transposed_weight_gemm(model: ir.Model) -> int:
         out_shape = tape.op("Concat", [in_shape, out_cols], attributes={"axis": 0})
         result = tape.op("Reshape", [gemm, out_shape])
         graph.insert_before(node, tape.nodes)
-        output = node.outputs[0]
-        name, output_type, output_shape = output.name, output.type, output.shape
-        output.replace_all_uses_with(result, replace_graph_outputs=True)
-        output.name = f"{name}__replaced"  # a graph output keeps its name
-        result.name, result.type, result.shape = name, output_type, output_shape
+        take_over(node.outputs[0], result)
         graph.remove(node, safe=True)
         if not transpose.outputs[0].uses():
             graph.remove(transpose, safe=True)
