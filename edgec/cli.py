@@ -266,7 +266,10 @@ def inspect(bundle) -> None:
             f"{runtime['version']}, compute capability {runtime['compute_capability']}, "
             f"≤ {runtime['max_tokens_per_step']} tokens per step; rebuildable from {manifest['model']['file']}"
         )
-    console.print(f"context: {settings['context']} tokens, prefill chunk {settings['prefill_chunk']}")
+    console.print(
+        f"context: {settings['context']} tokens, prefill chunk {settings['prefill_chunk']}, "
+        f"weights {settings.get('weights', 'fp32')}"
+    )
     console.print(
         f"cache: {cache['dtype']}, {len(cache['layers'])} layers, {cache['bytes_per_token']:,} bytes/token, "
         f"{cache['total_bytes'] / 2**20:,.1f} MiB at full capacity"
