@@ -128,11 +128,17 @@ def build(
         "fp16" if "float16" in names else "fp32",
     )
     with atomic_folder(output, settings.overwrite) as folder:
-        return _build_into(Path(model_path), folder, target, settings, context, progress)
+        return _build_into(Path(model_path), folder, target, settings, context, (names, options, weights), progress)
 
 
 def _build_into(
-    model_path: Path, folder: Path, target: Target, settings: BuildSettings, context: int, progress: Progress
+    model_path: Path,
+    folder: Path,
+    target: Target,
+    settings: BuildSettings,
+    context: int,
+    planned_passes: tuple[list[str], dict[str, dict], str],
+    progress: Progress,
 ) -> BuildResult:
     import onnx_ir as ir
 
@@ -154,7 +160,7 @@ def _build_into(
     progress("export")
     start = time.perf_counter()
     model = export_step(loaded.causal_lm, spec)
-    names, options, weights = pass_plan(target, settings)
+    names, options, weights = planned_passes
     pass_counts = run_passes(model, names, options)
     graph_inputs = {value.name: value for value in model.graph.inputs}
     k_name, _, pos_name = spec.layers[0].input_names()

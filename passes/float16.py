@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from edgec.passes._graph import replace_contents
+
 
 def float16(model: ir.Model) -> int:
     """Rewrite in place; returns how many float32 initializers became float16."""
@@ -17,9 +19,5 @@ def float16(model: ir.Model) -> int:
 
     before = sum(v.dtype == ir.DataType.FLOAT for v in model.graph.initializers.values())
     proto = convert_float_to_float16(ir.serde.serialize_model(model), keep_io_types=False, disable_shape_infer=True)
-    converted = ir.serde.deserialize_model(proto)
-    # replace the model's contents in place (passes mutate the model they are given)
-    model.graph = converted.graph
-    model.functions.clear()
-    model.functions.update(converted.functions)  # opset imports live on the graph and came with it
+    replace_contents(model, proto)
     return before

@@ -23,7 +23,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from edgec.passes._graph import take_over
+from edgec.passes._graph import replace_contents, take_over
 
 FORMS = ("matmulnbits", "qdq")
 BLOCK_SIZES = (32, 64, 128)
@@ -54,10 +54,7 @@ def int4_weights(
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     work = quantizer.MatMulNBitsQuantizer(ir.serde.serialize_model(model), algo_config=config)
     work.process()
-    quantized = ir.serde.deserialize_model(work.model.model)
-    model.graph = quantized.graph  # opset imports live on the graph and come with it
-    model.functions.clear()
-    model.functions.update(quantized.functions)
+    replace_contents(model, work.model.model)
     return sum(node.op_type == "DequantizeLinear" for node in model.graph)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from importlib import resources
 
 import pytest
 from click.testing import CliRunner
@@ -125,7 +126,7 @@ def test_build_refuses_before_any_work(tmp_path):
     """A 7B config (no real weights) for the cpu target: the planner refuses at once, nothing at -o."""
     folder = tmp_path / "seven"
     folder.mkdir()
-    config = json.loads((model_shape.__globals__["resources"].files("edgec.configs") / "llama-2-7b.json").read_text())
+    config = json.loads((resources.files("edgec.configs") / "llama-2-7b.json").read_text())
     (folder / "config.json").write_text(json.dumps(config))
     header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
     (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0\0\0\0")
