@@ -2,7 +2,8 @@
 
 Each token's k (or v) vector of D channels is split into groups of G channels; each group gets its own scale,
 computed on the fly (absmax / qmax), so no calibration is needed. int4 values are packed two per uint8 (low
-nibble first, offset-binary: stored = q + 8). fp8 is e4m3 (max 448), as ml_dtypes/ONNX define it.
+nibble first, offset-binary: stored = q + 8). fp8 is e4m3fn (max 448), as ml_dtypes/ONNX define it, stored as
+its uint8 bit pattern: ONNX's gather/scatter/where ops take no float8 tensors, bytes they move freely.
 The ONNX function body and any kernel must reproduce these bytes exactly; tests/kvcache check it.
 """
 
@@ -37,7 +38,7 @@ def quantize(x: np.ndarray, dtype: str, group: int) -> tuple[np.ndarray, np.ndar
     if dtype == "fp8":
         import ml_dtypes
 
-        stored = (grouped / safe).astype(ml_dtypes.float8_e4m3fn).reshape(x.shape)
+        stored = (grouped / safe).astype(ml_dtypes.float8_e4m3fn).reshape(x.shape).view(np.uint8)
     else:
         q = np.clip(np.rint(grouped / safe), -QMAX[dtype] - 1, QMAX[dtype]).astype(np.int8).reshape(x.shape)
         stored = q if dtype == "int8" else pack_int4(q)
@@ -48,8 +49,14 @@ def dequantize(stored: np.ndarray, scale: np.ndarray | None, dtype: str, group: 
     """The float32 values attention reads."""
     if scale is None:
         return stored.astype(np.float32)
-    values = unpack_int4(stored) if dtype == "int4" else stored
-    values = values.astype(np.float32)
+    if dtype == "int4":
+        values = unpack_int4(stored).astype(np.float32)
+    elif dtype == "fp8":
+        import ml_dtypes
+
+        values = stored.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    else:
+        values = stored.astype(np.float32)
     grouped = values.reshape(*values.shape[:-1], values.shape[-1] // group, group)
     return (grouped * scale[..., None]).reshape(values.shape)
 

@@ -61,3 +61,176 @@ def kv_attention(
             probs /= probs.sum(axis=-1, keepdims=True)
             out[b, :, h] = (probs @ v_cache[b, kv_head].astype(np.float64)).astype(q.dtype)
     return out, k_cache, v_cache, pos_cache
+
+
+# --- the compressed cache -----------------------------------------------------------------------------------
+# State per layer: k, v in the storage dtype ([B,Hkv,C,D], int4 packed [B,Hkv,C,D/2]); k_scale, v_scale
+# [B,Hkv,C,D/G] (quantized dtypes only); score [B,Hkv,C] float32 (+inf = protected); pos [B,Hkv,C] (-1 = empty).
+#
+# One call with T ≤ C new tokens:
+#   1. attend from each query over the dequantized slots plus the call's own new tokens (full precision),
+#      masking empty slots, future positions and (sliding window) positions at or before q_pos - window;
+#   2. score every candidate (C slots + T new tokens) with the policy, from this call's attention;
+#   3. keep-score = +inf for sinks (pos < sink), the recent window (pos > newest - window) and protected
+#      tokens, -inf for empty slots, else the score;
+#   4. pair the T weakest slots (ascending keep-score) with the T strongest new tokens (descending): the i-th
+#      new token replaces the i-th slot iff its keep-score is strictly higher (a prefix of the pairs, which is
+#      then re-paired in index order on both sides). This keeps exactly the C best of
+#      the C + T candidates, and every write lands in a distinct slot (a kept slot is written back unchanged),
+#      so the op updates its state in place with one ScatterElements per tensor;
+#   5. a pruning policy (adaptive) then empties every evictable slot below its threshold, on heads that had
+#      to evict in this call.
+# Ties go to the lower index (ONNX TopK's rule): empty slots fill from slot 0 in order, so with C ≥ context
+# slot == position and the result equals the uncompressed cache exactly.
+
+STATE = ("k", "v", "k_scale", "v_scale", "score", "pos")
+
+
+def empty_compressed_state(num_kv_heads: int, capacity: int, head_dim: int, compression) -> dict[str, np.ndarray]:
+    from edgec.kvcache.quantize import quantize
+
+    zeros = np.zeros((1, num_kv_heads, capacity, head_dim), np.float32)
+    stored, scale = quantize(zeros, compression.dtype, compression.group)
+    state = {"k": stored, "v": stored.copy()}
+    if scale is not None:
+        state |= {"k_scale": scale, "v_scale": scale.copy()}
+    return state | {
+        "score": np.zeros((1, num_kv_heads, capacity), np.float32),
+        "pos": np.full((1, num_kv_heads, capacity), -1, np.int64),
+    }
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    return probs / probs.sum(axis=-1, keepdims=True)
+
+
+def forced(key_pos: np.ndarray, newest: np.ndarray, protected: np.ndarray, compression) -> np.ndarray:
+    """Candidates that are never evicted: sinks, the recent window, protected. newest [B,1,1]."""
+    filled = key_pos >= 0
+    return protected | (filled & ((key_pos < compression.sink) | (key_pos > newest - compression.window)))
+
+
+def compressed_kv_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    position_ids: np.ndarray,
+    protect: np.ndarray,
+    state: dict[str, np.ndarray],
+    compression,
+    scale: float,
+    window: int = 0,
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """q [B,H,T,D], k/v [B,Hkv,T,D], position_ids [B,T], protect [B,T] bool → (out [B,T,H,D], new state)."""
+    from edgec.kvcache import policies
+    from edgec.kvcache.quantize import dequantize, quantize
+
+    policy = policies.get(compression.policy)
+    batch, num_heads, new, head_dim = q.shape
+    num_kv_heads, capacity = state["pos"].shape[1:]
+    if new > capacity:
+        raise ValueError(f"{new} new tokens do not fit {capacity} slots: feed at most capacity per call")
+    group_size = num_heads // num_kv_heads
+    dtype, group = compression.dtype, compression.group
+    old_k = dequantize(state["k"], state.get("k_scale"), dtype, group)
+    old_v = dequantize(state["v"], state.get("v_scale"), dtype, group)
+
+    # 1. attention over slots + new tokens
+    keys = np.concatenate([old_k, k], axis=2).astype(np.float64)
+    values = np.concatenate([old_v, v], axis=2).astype(np.float64)
+    new_pos = np.broadcast_to(position_ids[:, None, :], (batch, num_kv_heads, new))
+    key_pos = np.concatenate([state["pos"], new_pos], axis=2)  # [B,Hkv,L]
+    q_grouped = q.reshape(batch, num_kv_heads, group_size, new, head_dim).astype(np.float64)
+    scores = np.einsum("bhgtd,bhld->bhgtl", q_grouped, keys) * scale
+    query_pos = position_ids[:, None, None, :, None]
+    kp = key_pos[:, :, None, None, :]
+    valid = (kp >= 0) & (kp <= query_pos)
+    if window > 0:
+        valid &= kp > query_pos - window
+    probs = _softmax(np.where(valid, scores, -np.inf))
+    out = np.einsum("bhgtl,bhld->bhgtd", probs, values).reshape(batch, num_heads, new, head_dim)
+    out = out.transpose(0, 2, 1, 3).astype(q.dtype)
+
+    # 2. scores
+    observe = min(compression.observe, new)
+    stats = {
+        "total": probs.sum(axis=(2, 3)).astype(np.float32),
+        "observed": probs[:, :, :, new - observe :].sum(axis=(2, 3)).astype(np.float32),
+        "last": probs[:, :, :, -1].mean(axis=2).astype(np.float32),
+    }
+    score_all = policy.update(state["score"], stats, key_pos, new)
+    protected = np.concatenate(
+        [np.isposinf(state["score"]) & (state["pos"] >= 0), np.broadcast_to(protect[:, None, :], new_pos.shape)],
+        axis=2,
+    )
+    score_all = np.where(protected, np.float32(np.inf), score_all).astype(np.float32)
+
+    # 3. keep-scores
+    newest = position_ids.max(axis=1)[:, None, None]
+    keep = np.where(forced(key_pos, newest, protected, compression), np.float32(np.inf), score_all)
+    keep[..., :capacity] = np.where(state["pos"] < 0, -np.inf, keep[..., :capacity])
+
+    # 4. pair the weakest slots with the strongest new tokens
+    weakest = np.argsort(keep[..., :capacity], axis=-1, kind="stable")[..., :new]  # [B,Hkv,T]
+    strongest = np.argsort(-keep[..., capacity:], axis=-1, kind="stable")[..., :new]
+    replace = np.take_along_axis(keep[..., capacity:], strongest, -1) > np.take_along_axis(
+        keep[..., :capacity], weakest, -1
+    )
+    # the replacing pairs form a prefix; within it, put both sides in index order so that a cache with room
+    # fills slot after slot in position order (the pairing is the same set either way)
+    tail = (1 << 40) + np.arange(new)
+    weakest = np.take_along_axis(weakest, np.argsort(np.where(replace, weakest, tail), -1, kind="stable"), -1)
+    strongest = np.take_along_axis(strongest, np.argsort(np.where(replace, strongest, tail), -1, kind="stable"), -1)
+    k_stored, k_scale = quantize(k, dtype, group)
+    v_stored, v_scale = quantize(v, dtype, group)
+    incoming = {"k": k_stored, "v": v_stored, "k_scale": k_scale, "v_scale": v_scale}
+    result = {}
+    for name in STATE:
+        if name not in state:
+            continue
+        old = state[name] if name != "score" else score_all[..., :capacity]
+        if name == "score":
+            arriving = score_all[..., capacity:]
+        elif name == "pos":
+            arriving = new_pos
+        else:
+            arriving = incoming[name]
+        extra = old.ndim - 3  # trailing channel axes of k/v/scales
+        index = weakest.reshape(weakest.shape + (1,) * extra)
+        chosen = np.take_along_axis(arriving, strongest.reshape(strongest.shape + (1,) * extra), axis=2)
+        kept = np.take_along_axis(old, index, axis=2)
+        updates = np.where(replace.reshape(replace.shape + (1,) * extra), chosen, kept)
+        updated = old.copy()
+        np.put_along_axis(updated, np.broadcast_to(index, updates.shape), updates, axis=2)
+        result[name] = updated
+
+    # 5. pruning policies free more room on heads that had to evict
+    if policy.prunes:
+        evicted = (replace & (np.take_along_axis(state["pos"], weakest, -1) >= 0)).any(-1, keepdims=True)
+        slot_protected = np.isposinf(result["score"])
+        evictable = (result["pos"] >= 0) & ~forced(result["pos"], newest, slot_protected, compression) & evicted
+        result["pos"] = np.where(policy.prune(result["score"], evictable), -1, result["pos"])
+    return out, result
+
+
+def select_slots(state: dict[str, np.ndarray], compression, newest: int, capacity: int) -> dict[str, np.ndarray]:
+    """Compress a state to ``capacity`` slots per head at once (``prefill_compress = end``): keep the forced
+    candidates and then the highest scores, in slot order (the numpy twin of step 4 for a whole prompt)."""
+    protected = np.isposinf(state["score"]) & (state["pos"] >= 0)
+    keep = np.where(
+        forced(state["pos"], np.full((1, 1, 1), newest), protected, compression), np.float32(np.inf), state["score"]
+    )
+    keep = np.where(state["pos"] < 0, -np.inf, keep)
+    if state["pos"].shape[-1] <= capacity:
+        chosen = np.broadcast_to(np.arange(state["pos"].shape[-1]), state["pos"].shape)
+    else:
+        chosen = np.sort(np.argsort(-keep, axis=-1, kind="stable")[..., :capacity], axis=-1)
+    result = {}
+    for name, value in state.items():
+        extra = value.ndim - 3
+        result[name] = np.ascontiguousarray(
+            np.take_along_axis(value, chosen.reshape(chosen.shape + (1,) * extra), axis=2)
+        )
+    return result

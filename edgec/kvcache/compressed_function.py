@@ -1,0 +1,337 @@
+"""``ai.edgec::CompressedKVAttention``: KVAttention over a pruned, quantized slot cache, as a function of
+standard ONNX ops. Its meaning is ``reference.compressed_kv_attention``; read that first.
+
+One function per build: the compression settings (policy, storage dtype, group, sink, window) are baked
+into the body; ``scale`` and ``window`` (sliding attention) stay node attributes, as in KVAttention.
+
+Running the state in place (one buffer bound as input and output, ORT IO binding) is correct because every
+node that reads a state input is an ancestor of the single ScatterElements that writes its output: the old
+values are read (attention, gathers of the slots written back) before the scatter overwrites them, and the
+scatter writes distinct slots. tests/kvcache/test_compressed.py runs every dtype and policy both ways.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import AttributeProto, TensorProto, helper
+
+from edgec.kvcache import policies
+from edgec.kvcache.compression import Compression
+from edgec.kvcache.onnx_body import Body
+from edgec.kvcache.quantize import QMAX
+
+DOMAIN = "ai.edgec"
+OP_TYPE = "CompressedKVAttention"
+OPSET_VERSION = 1
+STORAGE_TYPES = {  # storage dtype → ONNX element type of the k/v state
+    "fp32": TensorProto.FLOAT,
+    "fp16": TensorProto.FLOAT16,
+    "int8": TensorProto.INT8,
+    "fp8": TensorProto.UINT8,  # e4m3fn bit patterns
+    "int4": TensorProto.UINT8,  # two offset-binary nibbles per byte
+}
+HUGE = 1 << 40
+
+
+def state_names(compression: Compression) -> tuple[str, ...]:
+    """The state tensors of one layer, in input order."""
+    scales = ("k_scale", "v_scale") if compression.quantized else ()
+    return ("k_cache", "v_cache", *scales, "score", "pos")
+
+
+def inputs(compression: Compression) -> tuple[str, ...]:
+    return ("q", "k", "v", "position_ids", "protect", *state_names(compression))
+
+
+def outputs(compression: Compression) -> tuple[str, ...]:
+    return ("out", *(f"{name}_out" for name in state_names(compression)))
+
+
+# --- storage -------------------------------------------------------------------------------------------------
+def _fp8_table() -> onnx.TensorProto:
+    import ml_dtypes
+    import numpy as np
+
+    values = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    values = np.where(np.isfinite(values), values, 0).astype(np.float32)  # NaN codes are never written
+    return onnx.numpy_helper.from_array(values, "fp8_table")
+
+
+def _dequantize(b: Body, stored: str, scale: str | None, compression: Compression) -> str:
+    """Stored k or v [B,Hkv,C,Ds] → float32 [B,Hkv,C,D]."""
+    dtype, group = compression.dtype, compression.group
+    if dtype == "fp32":
+        return stored
+    if dtype == "fp16":
+        return b.op("Cast", stored, to=TensorProto.FLOAT)
+    if dtype == "int8":
+        return b.op("DequantizeLinear", stored, scale, axis=3, block_size=group)
+    if dtype == "fp8":
+        table = b.op("Constant", value=_fp8_table(), name="fp8_table")
+        values = b.op("Gather", table, b.op("Cast", stored, to=TensorProto.INT32))
+        return _scale_groups(b, values, scale, group)
+    # int4: unpack the nibbles (low = even channel), then dequantize with zero point 8
+    low = b.op("BitwiseAnd", stored, b.u8(15))
+    high = b.op(
+        "BitShift",
+        stored,
+        b.u8(4),
+        direction="RIGHT",
+    )
+    axis = b.i64([-1])
+    pairs = b.op("Concat", b.op("Unsqueeze", low, axis), b.op("Unsqueeze", high, axis), axis=-1)
+    shape = b.op("Concat", b.op("Shape", stored, end=3), b.i64([-1]), axis=0)
+    unpacked = b.op("Reshape", pairs, shape)
+    zero_point = b.op("Expand", b.u8(8), b.op("Shape", scale))
+    return b.op("DequantizeLinear", unpacked, scale, zero_point, axis=3, block_size=group)
+
+
+def _scale_groups(b: Body, values: str, scale: str, group: int) -> str:
+    """values [B,Hkv,N,D] × scale [B,Hkv,N,D/G] per group of G channels."""
+    grouped_shape = b.op("Concat", b.op("Shape", values, end=3), b.i64([-1, group]), axis=0)
+    grouped = b.op("Reshape", values, grouped_shape)
+    scaled = b.op("Mul", grouped, b.op("Unsqueeze", scale, b.i64([-1])))
+    return b.op("Reshape", scaled, b.op("Shape", values))
+
+
+def _quantize(b: Body, x: str, compression: Compression) -> tuple[str, str | None]:
+    """New k or v [B,Hkv,T,D] float32 → (stored, scale [B,Hkv,T,D/G] or None)."""
+    dtype, group = compression.dtype, compression.group
+    if dtype == "fp32":
+        return x, None
+    if dtype == "fp16":
+        return b.op("Cast", x, to=TensorProto.FLOAT16), None
+    grouped_shape = b.op("Concat", b.op("Shape", x, end=3), b.i64([-1, group]), axis=0)
+    grouped = b.op("Reshape", x, grouped_shape)
+    absmax = b.op("ReduceMax", b.op("Abs", grouped), b.i64([-1]), keepdims=0)
+    scale = b.op("Div", absmax, b.f32(QMAX[dtype]))
+    safe = b.op("Where", b.op("Equal", scale, b.f32(0.0)), b.f32(1.0), scale)
+    if dtype == "int8":
+        stored = b.op("QuantizeLinear", x, safe, axis=3, block_size=group, output_dtype=TensorProto.INT8)
+        return stored, scale
+    if dtype == "fp8":
+        return _encode_e4m3(
+            b, b.op("Reshape", b.op("Div", grouped, b.op("Unsqueeze", safe, b.i64([-1]))), b.op("Shape", x))
+        ), scale
+    zero_point = b.op("Expand", b.u8(8), b.op("Shape", safe))
+    nibbles = b.op("QuantizeLinear", x, safe, zero_point, axis=3, block_size=group)  # uint8 in [1, 15]
+    pairs_shape = b.op("Concat", b.op("Shape", x, end=3), b.i64([-1, 2]), axis=0)
+    pairs = b.op("Reshape", nibbles, pairs_shape)
+    low, high = b.op("Split", pairs, axis=-1, num_outputs=2, outputs=2)
+    four = b.u8(4)
+    packed = b.op("BitwiseOr", low, b.op("BitShift", high, four, direction="LEFT"))
+    return b.op("Squeeze", packed, b.i64([-1])), scale
+
+
+def _encode_e4m3(b: Body, y: str) -> str:
+    """float32 values within ±448 → e4m3fn codes (uint8), rounding to nearest even like a float8 cast."""
+    magnitude = b.op("Abs", y)
+    # exponent of the value, clamped to the subnormal range; log2 of an exact power of two may land a hair low
+    log2 = b.op("Div", b.op("Log", magnitude), b.f32(0.6931471805599453))
+    exponent = b.op("Max", b.op("Floor", b.op("Add", log2, b.f32(1e-6))), b.f32(-6.0))
+    step = b.op("Pow", b.f32(2.0), b.op("Sub", exponent, b.f32(3.0)))
+    rounded = b.op("Min", b.op("Mul", b.op("Round", b.op("Div", magnitude, step)), step), b.f32(448.0))
+    # re-derive the exponent: rounding may carry into the next binade
+    log2r = b.op("Div", b.op("Log", rounded), b.f32(0.6931471805599453))
+    exponent_r = b.op("Max", b.op("Floor", b.op("Add", log2r, b.f32(1e-6))), b.f32(-6.0))
+    normal = b.op("GreaterOrEqual", rounded, b.f32(2.0**-6))
+    mantissa_normal = b.op("Sub", b.op("Div", rounded, b.op("Pow", b.f32(2.0), exponent_r)), b.f32(1.0))
+    code_normal = b.op(
+        "Add", b.op("Mul", b.op("Add", exponent_r, b.f32(7.0)), b.f32(8.0)), b.op("Mul", mantissa_normal, b.f32(8.0))
+    )
+    code_subnormal = b.op("Mul", rounded, b.f32(512.0))  # mantissa / 8 × 2^-6
+    code = b.op("Where", normal, code_normal, code_subnormal)
+    sign = b.op("Where", b.op("Less", y, b.f32(0.0)), b.f32(128.0), b.f32(0.0))
+    return b.op("Cast", b.op("Round", b.op("Add", code, sign)), to=TensorProto.UINT8)
+
+
+# --- the body ------------------------------------------------------------------------------------------------
+def make_function(compression: Compression, default_opset: int) -> onnx.FunctionProto:
+    """The function body for one compression setting; ``default_opset`` must equal the model's."""
+    policy = policies.get(compression.policy)
+    b = Body()
+    scale_attr = b.attribute_ref("value_float", "scale", AttributeProto.FLOAT)
+    window_attr = b.attribute_ref("value_int", "window", AttributeProto.INT)
+    names = dict(zip(state_names(compression), state_names(compression), strict=True))
+    capacity = b.shape("pos", 2)
+    new = b.shape("k", 2)  # T
+    kv_heads = b.shape("k", 1)
+    heads = b.shape("q", 1)
+    head_dim = b.shape("q", 3)
+
+    old_k = _dequantize(b, names["k_cache"], names.get("k_scale"), compression)
+    old_v = _dequantize(b, names["v_cache"], names.get("v_scale"), compression)
+
+    # 1. attention over the slots and the new tokens; queries grouped per KV head: [B,Hkv,G·T,D]
+    rows_shape = b.op("Concat", b.i64([0]), kv_heads, b.i64([-1]), head_dim, axis=0)
+    queries = b.op("Reshape", "q", rows_shape)
+    transpose = {"perm": [0, 1, 3, 2]}
+    scores_old = b.op("MatMul", queries, b.op("Transpose", old_k, **transpose))
+    scores_new = b.op("MatMul", queries, b.op("Transpose", "k", **transpose))
+    scores = b.op("Mul", b.op("Concat", scores_old, scores_new, axis=-1), scale_attr)
+    bht = b.op("Concat", b.op("Shape", "k", end=2), new, axis=0)
+    new_pos = b.op("Expand", b.op("Unsqueeze", "position_ids", b.i64([1])), bht)  # [B,Hkv,T]
+    key_pos = b.op("Concat", "pos", new_pos, axis=2)  # [B,Hkv,L]
+    group_size = b.op("Div", heads, kv_heads)
+    query_grid = b.op("Concat", b.op("Shape", "position_ids", end=1), b.i64([1]), group_size, new, axis=0)
+    query_pos = b.op(
+        "Reshape",
+        b.op("Expand", b.op("Unsqueeze", "position_ids", b.i64([1, 2])), query_grid),
+        b.i64([0, 1, -1, 1]),
+    )  # [B,1,G·T,1], row g·T + t holds position t
+    keys = b.op("Unsqueeze", key_pos, b.i64([2]))  # [B,Hkv,1,L]
+    has_window = b.op("Greater", window_attr, b.i64(0))
+    span = b.op("Where", has_window, window_attr, b.i64(HUGE))
+    lowest = b.op("Max", b.op("Sub", query_pos, b.op("Sub", span, b.i64(1))), b.i64(0))
+    valid = b.op("And", b.op("GreaterOrEqual", keys, lowest), b.op("LessOrEqual", keys, query_pos))
+    masked = b.op("Where", valid, scores, b.f32(float("-inf")))
+    probs = b.op("Softmax", masked, axis=-1)
+    probs_old = b.op("Slice", probs, b.i64([0]), capacity, b.i64([-1]))
+    probs_new = b.op("Slice", probs, capacity, b.i64([HUGE]), b.i64([-1]))
+    context = b.op("Add", b.op("MatMul", probs_old, old_v), b.op("MatMul", probs_new, "v"))  # [B,Hkv,G·T,D]
+    b.named("Transpose", [b.op("Reshape", context, b.op("Shape", "q"))], "out", perm=[0, 2, 1, 3])
+
+    # 2. what this call's attention says about each candidate, then the policy's scores
+    stats = {}
+    if policy.needs:
+        per_query = b.op("Reshape", probs, b.op("Concat", b.i64([0]), kv_heads, group_size, new, b.i64([-1]), axis=0))
+    if "total" in policy.needs:
+        stats["total"] = b.op("ReduceSum", per_query, b.i64([2, 3]), keepdims=0)
+    if "observed" in policy.needs:
+        observed = b.op("Slice", per_query, b.i64([-compression.observe]), b.i64([HUGE]), b.i64([3]))
+        stats["observed"] = b.op("ReduceSum", observed, b.i64([2, 3]), keepdims=0)
+    if "last" in policy.needs:
+        last = b.op("Slice", per_query, b.i64([-1]), b.i64([HUGE]), b.i64([3]))
+        stats["last"] = b.op("ReduceMean", last, b.i64([2, 3]), keepdims=0)
+    updated = policy.update_onnx(b, "score", stats, key_pos, new)
+    inf = b.f32(float("inf"))
+    old_protected = b.op("And", b.op("IsInf", "score", detect_negative=0), b.op("GreaterOrEqual", "pos", b.i64(0)))
+    protected = b.op("Concat", old_protected, b.op("Expand", b.op("Unsqueeze", "protect", b.i64([1])), bht), axis=2)
+    score_all = b.op("Where", protected, inf, updated)
+
+    # 3. keep-scores: forced candidates +inf, empty slots -inf
+    newest = b.op("Unsqueeze", b.op("ReduceMax", "position_ids", b.i64([1]), keepdims=1), b.i64([2]))  # [B,1,1]
+    forced = _forced(b, key_pos, newest, protected, compression)
+    keep = b.op("Where", b.op("Less", key_pos, b.i64(0)), b.f32(float("-inf")), b.op("Where", forced, inf, score_all))
+
+    # 4. pair the weakest slots with the strongest new tokens; write each pair's winner into the slot
+    keep_old = b.op("Slice", keep, b.i64([0]), capacity, b.i64([-1]))
+    keep_new = b.op("Slice", keep, capacity, b.i64([HUGE]), b.i64([-1]))
+    weak_values, weakest = b.op("TopK", keep_old, new, axis=-1, largest=0, sorted=1, outputs=2)
+    strong_values, strongest = b.op("TopK", keep_new, new, axis=-1, largest=1, sorted=1, outputs=2)
+    replace = b.op("Greater", strong_values, weak_values)  # [B,Hkv,T], a prefix of the pairs
+    # re-pair the prefix in index order on both sides, so a cache with room fills slots in position order
+    tail = b.op("Add", b.op("Range", b.i64(0), b.op("Squeeze", new), b.i64(1)), b.i64(HUGE))
+    weakest = _index_order(b, weakest, replace, tail, new)
+    strongest = _index_order(b, strongest, replace, tail, new)
+    k_stored, k_scale = _quantize(b, "k", compression)
+    v_stored, v_scale = _quantize(b, "v", compression)
+    arriving = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale, "v_scale": v_scale, "pos": new_pos}
+    arriving["score"] = b.op("Slice", score_all, capacity, b.i64([HUGE]), b.i64([-1]))
+    current = dict(names) | {"score": b.op("Slice", score_all, b.i64([0]), capacity, b.i64([-1]))}
+    # v and v_scale are read by the attention output only, which nothing below depends on: make their slot
+    # indices wait for it, or the in-place scatter may overwrite slots before they are read (Max with a
+    # non-positive number that the output determines leaves the indices as they are)
+    not_before_out = b.op(
+        "Neg", b.op("Cast", b.op("IsNaN", b.op("ReduceMax", context, keepdims=0)), to=TensorProto.INT64)
+    )
+    weakest_after_out = b.op("Max", weakest, not_before_out)
+    written = {}
+    for name in state_names(compression):
+        trailing = name not in ("score", "pos")
+        slots = weakest_after_out if name in ("v_cache", "v_scale") else weakest
+        written[name] = _write(b, current[name], arriving[name], slots, strongest, replace, trailing)
+    final_pos = written["pos"]
+    if policy.prunes:
+        final_pos = _prune(b, policy, written, weakest, replace, newest, compression)
+    for name in state_names(compression):
+        b.named("Identity", [final_pos if name == "pos" else written[name]], f"{name}_out")
+
+    return helper.make_function(
+        DOMAIN,
+        OP_TYPE,
+        list(inputs(compression)),
+        list(outputs(compression)),
+        b.nodes,
+        opset_imports=[helper.make_opsetid("", default_opset)],
+        attributes=["scale"],
+        attribute_protos=[helper.make_attribute("window", 0)],
+    )
+
+
+def _index_order(b: Body, indices: str, replace: str, tail: str, count: str) -> str:
+    key = b.op("Where", replace, indices, tail)
+    _, order = b.op("TopK", key, count, axis=-1, largest=0, sorted=1, outputs=2)
+    return b.op("GatherElements", indices, order, axis=-1)
+
+
+def _forced(b: Body, key_pos: str, newest: str, protected: str, compression: Compression) -> str:
+    filled = b.op("GreaterOrEqual", key_pos, b.i64(0))
+    sink = b.op("Less", key_pos, b.i64(compression.sink))
+    recent = b.op("Greater", key_pos, b.op("Sub", newest, b.i64(compression.window)))
+    return b.op("Or", protected, b.op("And", filled, b.op("Or", sink, recent)))
+
+
+def _write(b: Body, old: str, arriving: str, weakest: str, strongest: str, replace: str, trailing: bool) -> str:
+    """Scatter, into the T weakest slots, either the paired new token or the slot's own value."""
+    if trailing:  # k/v/scales carry a channel axis: broadcast the slot indices over it
+        axis = b.i64([-1])
+        width = b.shape(old, 3)
+        slots = b.op("Expand", b.op("Unsqueeze", weakest, axis), b.op("Concat", b.op("Shape", weakest), width, axis=0))
+        picks = b.op(
+            "Expand", b.op("Unsqueeze", strongest, axis), b.op("Concat", b.op("Shape", strongest), width, axis=0)
+        )
+        choose = b.op("Unsqueeze", replace, axis)
+    else:
+        slots, picks, choose = weakest, strongest, replace
+    chosen = b.op("GatherElements", arriving, picks, axis=2)
+    kept = b.op("GatherElements", old, slots, axis=2)
+    updates = b.op("Where", choose, chosen, kept)
+    return b.op("ScatterElements", old, slots, updates, axis=2)
+
+
+def _prune(b: Body, policy, written: dict[str, str], weakest: str, replace: str, newest: str, compression) -> str:
+    """Empty (pos = -1) every evictable slot the policy drops, on heads that evicted in this call."""
+    evicted_filled = b.op("GreaterOrEqual", b.op("GatherElements", "pos", weakest, axis=2), b.i64(0))
+    evicted = b.op(
+        "Cast",
+        b.op(
+            "ReduceMax",
+            b.op("Cast", b.op("And", replace, evicted_filled), to=TensorProto.INT32),
+            b.i64([-1]),
+            keepdims=1,
+        ),
+        to=TensorProto.BOOL,
+    )
+    pos, score = written["pos"], written["score"]
+    protected = b.op("IsInf", score, detect_negative=0)
+    forced = _forced(b, pos, newest, protected, compression)
+    evictable = b.op("And", b.op("And", b.op("GreaterOrEqual", pos, b.i64(0)), b.op("Not", forced)), evicted)
+    dropped = policy.prune_onnx(b, score, evictable)
+    return b.op("Where", dropped, b.i64(-1), pos)
+
+
+def make_schema(compression: Compression) -> onnx.defs.OpSchema:
+    """An OpSchema for the op (tracing tools and checkers know its inputs and outputs)."""
+    storage = onnx.helper.tensor_dtype_to_string(STORAGE_TYPES[compression.dtype])
+    kinds = {"q": "T", "k": "T", "v": "T", "position_ids": "I", "protect": "B", "score": "F", "pos": "I"}
+    kinds |= {"k_cache": "S", "v_cache": "S", "k_scale": "F", "v_scale": "F"}
+    param = onnx.defs.OpSchema.FormalParameter
+    return onnx.defs.OpSchema(
+        OP_TYPE,
+        DOMAIN,
+        OPSET_VERSION,
+        inputs=[param(name, kinds[name]) for name in inputs(compression)],
+        outputs=[param(name, "T" if name == "out" else kinds[name[:-4]]) for name in outputs(compression)],
+        type_constraints=[
+            ("T", ["tensor(float)"], "compute dtype"),
+            ("S", [storage], "cache storage"),
+            ("F", ["tensor(float)"], "scales and scores"),
+            ("I", ["tensor(int64)"], "positions"),
+            ("B", ["tensor(bool)"], "protect flags"),
+        ],
+        attributes=[
+            onnx.defs.OpSchema.Attribute("scale", onnx.defs.OpSchema.AttrType.FLOAT, "softmax scale"),
+            onnx.defs.OpSchema.Attribute("window", onnx.defs.OpSchema.AttrType.INT, "sliding window, 0 = none"),
+        ],
+    )

@@ -1,0 +1,47 @@
+"""SnapKV: a prompt is judged by the attention of its last ``observe`` queries (the question sits at the end),
+pooled over neighbouring new tokens so that a kept token keeps its context; decode steps accumulate as H2O.
+
+Pooling runs over the call's new tokens only: they are contiguous in position, the cached slots are not."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgec.kvcache.policies.base import accumulate, accumulate_onnx
+
+name = "snapkv"
+needs = ("total", "observed")
+prunes = False
+DECAY = 0.99
+POOL = 7  # SnapKV's max-pool kernel
+
+
+def _pool(x: np.ndarray) -> np.ndarray:
+    half = POOL // 2
+    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(half, half)], constant_values=-np.inf)
+    windows = np.lib.stride_tricks.sliding_window_view(padded, POOL, axis=-1)
+    return windows.max(-1)
+
+
+def update(score, stats, key_pos, new):
+    if new == 1:
+        return accumulate(score, stats["total"], DECAY)
+    observed = stats["observed"]
+    capacity = score.shape[-1]
+    return np.concatenate([observed[..., :capacity], _pool(observed[..., capacity:])], axis=-1).astype(np.float32)
+
+
+def update_onnx(body, score, stats, key_pos, new) -> str:
+    decode = accumulate_onnx(body, score, stats["total"], DECAY)
+    observed = stats["observed"]
+    capacity = body.shape(score, -1)
+    old_part = body.op("Slice", observed, body.i64([0]), capacity, body.i64([-1]))
+    new_part = body.op("Slice", observed, capacity, body.i64([1 << 40]), body.i64([-1]))
+    # MaxPool wants [N, channels, length]: fold B·Hkv into N
+    folded_shape = body.op("Concat", body.i64([-1, 1]), body.shape(new_part, -1), axis=0)
+    folded = body.op("Reshape", new_part, folded_shape)
+    pooled = body.op("MaxPool", folded, kernel_shape=[POOL], pads=[POOL // 2, POOL // 2], strides=[1])
+    pooled_back = body.op("Reshape", pooled, body.op("Shape", new_part))
+    prefill = body.op("Concat", old_part, pooled_back, axis=-1)
+    is_decode = body.op("Equal", new, body.i64(1))
+    return body.op("Where", is_decode, decode, prefill)

@@ -1,0 +1,165 @@
+"""CompressedKVAttention's ONNX body against the numpy reference: every dtype and policy, several shapes,
+steps that fill the cache and then evict, and the state run in place against separate buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from edgec.kvcache import compressed_function as cf
+from edgec.kvcache import reference
+from edgec.kvcache.compression import Compression
+from edgec.kvcache.policies import POLICIES
+
+# out: float32 attention; ORT and numpy (float64) differ by accumulation order, and the dequantized slots are
+# computed identically (same bytes, same scales) so the dtype does not widen it
+OUT_ATOL = {"fp32": 2e-5, "fp16": 2e-5, "int8": 2e-5, "fp8": 2e-5, "int4": 2e-5}
+SHAPES = [(4, 2, 16, 12), (6, 3, 32, 16), (2, 1, 64, 10)]  # heads, kv_heads, head_dim, capacity
+# (start, count): a prefill larger than the room left, decode steps that evict one slot each, then a chunk
+STEPS = [(0, 7), (7, 1), (8, 1), (9, 5), (14, 1), (15, 1), (16, 8), (24, 1), (25, 1)]
+
+
+def compressed_model(heads, kv_heads, head_dim, capacity, compression: Compression, scale: float, window: int = 0):
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    storage = cf.STORAGE_TYPES[compression.dtype]
+    stored_dim = head_dim // 2 if compression.dtype == "int4" else head_dim
+    state_types = {
+        "k_cache": (storage, [1, kv_heads, capacity, stored_dim]),
+        "v_cache": (storage, [1, kv_heads, capacity, stored_dim]),
+        "k_scale": (f, [1, kv_heads, capacity, head_dim // compression.group]),
+        "v_scale": (f, [1, kv_heads, capacity, head_dim // compression.group]),
+        "score": (f, [1, kv_heads, capacity]),
+        "pos": (i64, [1, kv_heads, capacity]),
+    }
+    inputs = [
+        helper.make_tensor_value_info("q", f, [1, heads, "T", head_dim]),
+        helper.make_tensor_value_info("k", f, [1, kv_heads, "T", head_dim]),
+        helper.make_tensor_value_info("v", f, [1, kv_heads, "T", head_dim]),
+        helper.make_tensor_value_info("position_ids", i64, [1, "T"]),
+        helper.make_tensor_value_info("protect", TensorProto.BOOL, [1, "T"]),
+    ]
+    names = cf.state_names(compression)
+    inputs += [helper.make_tensor_value_info(name, *state_types[name]) for name in names]
+    outputs = [helper.make_tensor_value_info("out", f, [1, "T", heads, head_dim])]
+    outputs += [helper.make_tensor_value_info(f"{name}_out", *state_types[name]) for name in names]
+    node = helper.make_node(
+        cf.OP_TYPE,
+        list(cf.inputs(compression)),
+        list(cf.outputs(compression)),
+        domain=cf.DOMAIN,
+        scale=scale,
+        window=window,
+    )
+    graph = helper.make_graph([node], "compressed", inputs, outputs)
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(cf.DOMAIN, 1)],
+        functions=[cf.make_function(compression, 23)],
+    )
+
+
+def _state_feed(state: dict) -> dict:
+    return {("k_cache" if n == "k" else "v_cache" if n == "v" else n): value for n, value in state.items()}
+
+
+def _run(sess, compression, heads, kv_heads, head_dim, capacity, steps, seed, window=0, protect_at=(), in_place=False):
+    rng = np.random.default_rng(seed)
+    state = reference.empty_compressed_state(kv_heads, capacity, head_dim, compression)
+    mine = {name: value.copy() for name, value in _state_feed(state).items()}
+    bound = {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in mine.items()} if in_place else None
+    scale = head_dim**-0.5
+    for start, count in steps:
+        q = rng.standard_normal((1, heads, count, head_dim)).astype(np.float32)
+        # a few loud keys so that scored policies have something to find
+        k = rng.standard_normal((1, kv_heads, count, head_dim)) * rng.uniform(0.2, 3, (1, kv_heads, count, 1))
+        k = k.astype(np.float32)
+        v = rng.standard_normal((1, kv_heads, count, head_dim)).astype(np.float32)
+        positions = np.arange(start, start + count, dtype=np.int64)[None]
+        protect = np.isin(positions, protect_at)
+        want_out, state = reference.compressed_kv_attention(
+            q, k, v, positions, protect, state, compression, scale=scale, window=window
+        )
+        feeds = dict(q=q, k=k, v=v, position_ids=positions, protect=protect)
+        if in_place:
+            binding = sess.io_binding()
+            binding.bind_output("out")  # first: copy_outputs_to_cpu returns outputs in binding order
+            for name, value in feeds.items():
+                binding.bind_cpu_input(name, value)
+            for name, value in bound.items():
+                binding.bind_ortvalue_input(name, value)
+                binding.bind_ortvalue_output(f"{name}_out", value)
+            sess.run_with_iobinding(binding)
+            got_out = binding.copy_outputs_to_cpu()[0]
+            got = {name: value.numpy() for name, value in bound.items()}
+        else:
+            results = sess.run(None, feeds | mine)
+            got_out = results[0]
+            got = dict(zip(cf.state_names(compression), results[1:], strict=True))
+            mine = got
+        np.testing.assert_allclose(got_out, want_out, atol=OUT_ATOL[compression.dtype], rtol=0)
+        want = _state_feed(state)
+        np.testing.assert_array_equal(got["pos"], want["pos"], err_msg=f"slots chosen differ at step {start}")
+        np.testing.assert_allclose(got["score"], want["score"], rtol=1e-4, atol=1e-5)
+        for name in ("k_cache", "v_cache"):
+            np.testing.assert_array_equal(got[name].view(np.uint8), np.ascontiguousarray(want[name]).view(np.uint8))
+        for name in ("k_scale", "v_scale"):
+            if name in got:
+                np.testing.assert_allclose(got[name], want[name], rtol=1e-6)
+    return state
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_body_matches_reference_every_dtype_and_policy(dtype, policy):
+    heads, kv_heads, head_dim, capacity = SHAPES[(len(dtype) + len(policy)) % len(SHAPES)]
+    compression = Compression(capacity=capacity, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
+    model = compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=head_dim**-0.5)
+    onnx.checker.check_model(model, full_check=True)
+    _run(_session(model), compression, heads, kv_heads, head_dim, capacity, STEPS, seed=hash((dtype, policy)) % 1000)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,capacity", SHAPES)
+@pytest.mark.parametrize("dtype,policy", [("int8", "snapkv"), ("int4", "h2o"), ("fp8", "adaptive"), ("fp32", "tova")])
+def test_state_in_place_equals_separate_buffers(heads, kv_heads, head_dim, capacity, dtype, policy):
+    """IO binding each state input to its own output buffer gives the reference's results."""
+    compression = Compression(capacity=capacity, sink=1, window=2, policy=policy, dtype=dtype, group=8, observe=3)
+    sess = _session(compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=head_dim**-0.5))
+    _run(sess, compression, heads, kv_heads, head_dim, capacity, STEPS, seed=capacity, in_place=True)
+
+
+def test_sliding_window_and_protected_tokens():
+    heads, kv_heads, head_dim, capacity = 4, 2, 16, 12
+    compression = Compression(capacity=capacity, sink=1, window=2, policy="h2o", dtype="int8", group=16, observe=2)
+    sess = _session(compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.25, window=6))
+    state = _run(sess, compression, heads, kv_heads, head_dim, capacity, STEPS, seed=5, window=6, protect_at=[3, 9])
+    assert {3, 9} <= set(state["pos"].ravel().tolist()), "protected positions were evicted"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_capacity_above_context_equals_uncompressed_cache(dtype):
+    """No eviction: slot == position, and the output equals plain KVAttention's."""
+    heads, kv_heads, head_dim, capacity = 4, 2, 16, 32
+    compression = Compression(capacity=capacity, sink=2, window=3, policy="snapkv", dtype=dtype, group=16)
+    rng = np.random.default_rng(0)
+    state = reference.empty_compressed_state(kv_heads, capacity, head_dim, compression)
+    plain = (np.zeros((1, kv_heads, capacity, head_dim), np.float32),) * 2 + (np.full((1, kv_heads, capacity), -1),)
+    for start, count in [(0, 9), (9, 1), (10, 6), (16, 1)]:
+        q = rng.standard_normal((1, heads, count, head_dim)).astype(np.float32)
+        k, v = rng.standard_normal((2, 1, kv_heads, count, head_dim)).astype(np.float32)
+        positions = np.arange(start, start + count)[None]
+        out, state = reference.compressed_kv_attention(
+            q, k, v, positions, np.zeros_like(positions, bool), state, compression, scale=0.25
+        )
+        plain_out, *plain = reference.kv_attention(q, k, v, positions, *plain, scale=0.25)
+        np.testing.assert_array_equal(state["pos"], plain[2])
+        if dtype == "fp32":  # the same numbers summed in another order (slots, then the new tokens)
+            np.testing.assert_allclose(out, plain_out, atol=1e-6, rtol=0)
+        else:  # only earlier tokens are quantized: int8 keeps attention within a few 1e-3
+            np.testing.assert_allclose(out, plain_out, atol=2e-2)
