@@ -15,8 +15,10 @@ import numpy as np
 from edgec import __version__
 from edgec.bundle import atomic_folder, write_manifest, write_npz
 from edgec.errors import BuildSettingsError
+from edgec.kvcache.compression import Compression
 from edgec.targets import Target, load_target
 
+DEFAULT_POLICY = "snapkv"
 STAGES = ("load", "export", "save", "validate", "engine", "bundle")
 VALIDATION_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
 Progress = Callable[[str], None]
@@ -37,8 +39,34 @@ class BuildSettings:
     block_size: int = 32  # int4: input channels per scale
     symmetric: bool = False  # int4: no zero point (always symmetric for TensorRT-RTX, which takes no UINT4)
     accuracy_level: int = 4  # int4 on ONNX Runtime: 4 = int8 activations (fast), 1 = fp32 activations (exact)
+    kv_capacity: int | None = None  # compressed cache: slots per layer and head; None = context
+    kv_sink: int = 4
+    kv_window: int = 64
+    kv_policy: str | None = None  # None = the default policy when compression is asked for
+    kv_dtype: str | None = None  # fp32, fp16, int8, fp8, int4
+    kv_group: int = 32
+    prefill_compress: str = "end"
+    protect: str | None = None  # built-in protect heuristics applied by default at run time ("numbers,names")
     allow_pickle: bool = False
     overwrite: bool = False
+
+    @property
+    def compressed(self) -> bool:
+        """Any --kv-capacity/--kv-policy/--kv-dtype asks for the compressed cache on the global layers."""
+        return any(value is not None for value in (self.kv_capacity, self.kv_policy, self.kv_dtype))
+
+    def compression(self, context: int) -> Compression | None:
+        if not self.compressed:
+            return None
+        return Compression(
+            capacity=self.kv_capacity or context,
+            sink=self.kv_sink,
+            window=self.kv_window,
+            policy=self.kv_policy or DEFAULT_POLICY,
+            dtype=self.kv_dtype or "fp32",
+            group=self.kv_group,
+            prefill_compress=self.prefill_compress,
+        )
 
 
 def _check_settings(settings: BuildSettings) -> Target:
@@ -58,9 +86,11 @@ def _check_settings(settings: BuildSettings) -> Target:
 BUILDABLE_WEIGHTS = ("fp32", "fp16", "int4")
 
 
-def pass_plan(target: Target, settings: BuildSettings) -> tuple[list[str], dict[str, dict], str]:
-    """The passes this build runs (the target's, adjusted for the weight format), their options, and the
-    weight format."""
+def pass_plan(
+    target: Target, settings: BuildSettings, compression: Compression | None = None
+) -> tuple[list[str], dict[str, dict], str]:
+    """The passes this build runs (the target's, adjusted for the weight format and the compressed cache),
+    their options, and the weight format."""
     weights = settings.weights or target.defaults.get("weights", "fp32")
     if weights not in target.dtypes:
         raise BuildSettingsError(f"{target.name} has no {weights} weights; it has {', '.join(target.dtypes)}")
@@ -83,6 +113,14 @@ def pass_plan(target: Target, settings: BuildSettings) -> tuple[list[str], dict[
             "symmetric": settings.symmetric or form == "qdq",
             "accuracy_level": settings.accuracy_level,
         }
+    if compression is not None:
+        if not target.runtime.startswith("ort-"):
+            raise BuildSettingsError(
+                f"the compressed cache (--kv-*) builds for ONNX Runtime targets; {target.name} runs "
+                f"{target.runtime}, which takes the plain cache for now"
+            )
+        names.insert(0, "kv_cache")  # before any lowering of the remaining (sliding-window) KVAttention nodes
+        options["kv_cache"] = compression.to_json()
     return names, options, weights
 
 
@@ -98,12 +136,14 @@ def resolve_context(settings: BuildSettings, max_context: int | None) -> int:
     return context
 
 
-def check_fits(model_path: str | Path, target: Target, context: int, prefill_chunk: int, weights: str, kv: str) -> None:
-    """Run the memory planner on the settings this build produces (full cache capacity): refuse what cannot fit."""
-    from edgec.plan import Settings, model_shape, plan
+def check_fits(shape, target: Target, context: int, prefill_chunk: int, weights: str, kv: str, capacity: int) -> None:
+    """Run the memory planner on the settings this build produces: refuse what cannot fit."""
+    from edgec.plan import Settings, plan
 
-    settings = Settings(weights=weights, kv=kv, context=context, prefill_chunk=prefill_chunk)
-    plan(model_shape(model_path), target, settings, fixed=frozenset({"weights", "kv", "prefill_chunk", "capacity"}))
+    settings = Settings(
+        weights=weights, kv=kv, context=context, prefill_chunk=prefill_chunk, capacity_fraction=capacity / context
+    )
+    plan(shape, target, settings, fixed=frozenset({"weights", "kv", "prefill_chunk", "capacity"}))
 
 
 def build(
@@ -118,15 +158,27 @@ def build(
     # fail fast, from the config alone, before the output folder is touched or weights are read
     source = inspect_source(model_path, settings.allow_pickle)
     context = resolve_context(settings, source["max_context"])
-    names, options, weights = pass_plan(target, settings)
-    check_fits(
-        model_path,
-        target,
-        context,
-        settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)),
-        weights,
-        "fp16" if "float16" in names else "fp32",
-    )
+    from edgec.plan import model_shape
+
+    shape = model_shape(model_path)
+    prefill_chunk = min(context, settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)))
+    compression = settings.compression(context)
+    if compression is not None:
+        compression.check(shape.head_dim, prefill_chunk)
+        if compression.capacity > context:
+            raise BuildSettingsError(f"--kv-capacity {compression.capacity} exceeds the context {context}")
+    if settings.protect is not None:
+        from edgec.runtime.protect import HEURISTICS
+
+        kinds = [kind.strip() for kind in settings.protect.split(",")]
+        if compression is None or not kinds or any(kind not in HEURISTICS for kind in kinds):
+            raise BuildSettingsError(
+                f"--protect takes {','.join(HEURISTICS)} and needs a compressed cache (--kv-capacity/--kv-dtype); "
+                f"got {settings.protect!r}"
+            )
+    names, options, weights = pass_plan(target, settings, compression)
+    kv = compression.dtype if compression else ("fp16" if "float16" in names else "fp32")
+    check_fits(shape, target, context, prefill_chunk, weights, kv, compression.capacity if compression else context)
     with atomic_folder(output, settings.overwrite) as folder:
         return _build_into(Path(model_path), folder, target, settings, context, (names, options, weights), progress)
 
@@ -162,13 +214,7 @@ def _build_into(
     model = export_step(loaded.causal_lm, spec)
     names, options, weights = planned_passes
     pass_counts = run_passes(model, names, options)
-    graph_inputs = {value.name: value for value in model.graph.inputs}
-    k_name, _, pos_name = spec.layers[0].input_names()
-    spec = dataclasses.replace(
-        spec,
-        positions=pos_name in graph_inputs,
-        dtype="float16" if graph_inputs[k_name].dtype == ir.DataType.FLOAT16 else "float32",
-    )
+    spec = _spec_after_passes(spec, model, options.get("kv_cache"))
     timings["export_s"] = time.perf_counter() - start
     del loaded.causal_lm
 
@@ -211,7 +257,12 @@ def _build_into(
             "num_layers": len(spec.layers),
             "context": context,
         },
-        "cache": {**spec.to_json(), "bytes_per_token": spec.bytes_per_token(), "total_bytes": spec.total_bytes()},
+        "cache": {
+            **spec.to_json(),
+            "bytes_per_token": spec.bytes_per_token(),
+            "kv_bytes_per_token": spec.kv_bytes_per_token(),
+            "total_bytes": spec.total_bytes(),
+        },
         "tokenizer": {
             "file": "tokenizer.json",
             "chat_format": chat_format.to_json() if chat_format else None,
@@ -223,6 +274,31 @@ def _build_into(
     }
     # timings vary from run to run: reported, but kept out of the (reproducible) bundle
     return BuildResult(write_manifest(folder, manifest), {key: round(value, 2) for key, value in timings.items()})
+
+
+def _spec_after_passes(spec, model, compression_settings: dict | None):
+    """The cache the built graph really has: compressed layers (by their score state), float dtype, whether
+    positions are state."""
+    import onnx_ir as ir
+
+    graph_inputs = {value.name: value for value in model.graph.inputs}
+    compression = Compression(**compression_settings) if compression_settings else None
+    layers = tuple(
+        dataclasses.replace(layer, compressed=True, capacity=compression.capacity)
+        if f"cache.{layer.layer}.score" in graph_inputs
+        else layer
+        for layer in spec.layers
+    )
+    plain = [layer for layer in layers if not layer.compressed]
+    positions = not plain or plain[0].input_names()[2] in graph_inputs
+    k_value = graph_inputs[(plain or layers)[0].input_names(compression)[0]]
+    return dataclasses.replace(
+        spec,
+        layers=layers,
+        positions=positions,
+        dtype="float16" if k_value.dtype == ir.DataType.FLOAT16 else "float32",
+        compression=compression,
+    )
 
 
 def _torch_last_logits(causal_lm, prompts: list[list[int]]) -> list[np.ndarray]:

@@ -55,6 +55,19 @@ def main() -> None:
     show_default=True,
     help="int4 on ONNX Runtime: 4 = int8 activations (fast), 1 = fp32 activations (exact).",
 )
+@click.option("--kv-capacity", type=int, default=None, help="Compressed cache: slots per layer and head [context].")
+@click.option("--kv-sink", type=int, default=4, show_default=True, help="Compressed cache: first tokens never evicted.")
+@click.option("--kv-window", type=int, default=64, show_default=True, help="Compressed cache: recent tokens kept.")
+@click.option("--kv-policy", default=None, help="Eviction policy: streaming, h2o, snapkv, adaptive, tova [snapkv].")
+@click.option("--kv-dtype", default=None, help="Cache storage: fp32, fp16, int8, fp8, int4 [fp32].")
+@click.option("--kv-group", type=int, default=32, show_default=True, help="Channels per dynamic cache scale.")
+@click.option(
+    "--prefill-compress",
+    default="end",
+    show_default=True,
+    help="end: read the whole prompt, then select (query-aware); chunk: select between chunks (bounded memory).",
+)
+@click.option("--protect", default=None, help="Default protected tokens at run time: numbers,names.")
 @click.option("--allow-pickle", is_flag=True, help="Accept pickle (*.bin) weights; pickle can run arbitrary code.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at -o.")
 def build(
@@ -67,6 +80,14 @@ def build(
     block_size,
     symmetric,
     accuracy_level,
+    kv_capacity,
+    kv_sink,
+    kv_window,
+    kv_policy,
+    kv_dtype,
+    kv_group,
+    prefill_compress,
+    protect,
     allow_pickle,
     overwrite,
 ) -> None:
@@ -89,6 +110,14 @@ def build(
         block_size=int(block_size),
         symmetric=symmetric,
         accuracy_level=accuracy_level,
+        kv_capacity=kv_capacity,
+        kv_sink=kv_sink,
+        kv_window=kv_window,
+        kv_policy=kv_policy,
+        kv_dtype=kv_dtype,
+        kv_group=kv_group,
+        prefill_compress=prefill_compress,
+        protect=protect,
         allow_pickle=allow_pickle,
         overwrite=overwrite,
     )
@@ -274,6 +303,14 @@ def inspect(bundle) -> None:
         f"cache: {cache['dtype']}, {len(cache['layers'])} layers, {cache['bytes_per_token']:,} bytes/token, "
         f"{cache['total_bytes'] / 2**20:,.1f} MiB at full capacity"
     )
+    if compression := cache.get("compression"):
+        compressed = sum(1 for layer in cache["layers"] if layer.get("compressed"))
+        console.print(
+            f"compressed cache: {compressed} of {len(cache['layers'])} layers, {compression['capacity']} slots, "
+            f"policy {compression['policy']}, {compression['dtype']} (group {compression['group']}), "
+            f"sink {compression['sink']}, window {compression['window']}, prefill-compress "
+            f"{compression['prefill_compress']}; k+v {cache['kv_bytes_per_token']:,.0f} bytes/token"
+        )
     validation = manifest["validation"]
     console.print(
         f"validation: top-1 agreement {validation['top1_agreement']:.0%}, "

@@ -11,7 +11,18 @@ from typing import Any
 
 NUMBER = (int, float)
 
-LAYER = {"layer": int, "num_kv_heads": int, "head_dim": int, "capacity": int, "window": int}
+LAYER = {"layer": int, "num_kv_heads": int, "head_dim": int, "capacity": int, "window": int, "compressed?": bool}
+COMPRESSION = {
+    "capacity": int,
+    "sink": int,
+    "window": int,
+    "policy": str,
+    "dtype": str,
+    "group": int,
+    "observe": int,
+    "prefill_compress": str,
+    "protect_fraction": NUMBER,
+}
 SCHEMA_V1: dict[str, Any] = {
     "format_version": int,
     "edgec_version": str,
@@ -27,7 +38,15 @@ SCHEMA_V1: dict[str, Any] = {
     "build_settings": {"target": str, "context": int, "prefill_chunk": int},
     "runtime": {"library": str, "min_version": str, "providers": list},
     "model": {"file": str, "vocab_size": int, "num_layers": int, "context": int},
-    "cache": {"dtype": str, "positions?": bool, "layers": [LAYER], "bytes_per_token": int, "total_bytes": int},
+    "cache": {
+        "dtype": str,
+        "positions?": bool,
+        "compression?": (dict, type(None)),
+        "layers": [LAYER],
+        "bytes_per_token": int,
+        "kv_bytes_per_token?": NUMBER,
+        "total_bytes": int,
+    },
     "tokenizer": {"file": str, "chat_format": (dict, type(None)), "chat_note": str},
     "generation": {"eos_token_ids": list, "bos_token_id": (int, type(None))},
     "passes?": dict,
@@ -67,6 +86,8 @@ def schema_errors(value: Any, schema: Any = SCHEMA_V1, where: str = "manifest") 
 
 def manifest_errors(manifest: Any) -> list[str]:
     errors = schema_errors(manifest)
+    if not errors and manifest["cache"].get("compression"):
+        errors += schema_errors(manifest["cache"]["compression"], COMPRESSION, "manifest.cache.compression")
     if not errors:
         for name, entry in manifest["files"].items():
             errors += schema_errors(entry, FILE_ENTRY, f"manifest.files[{name!r}]")

@@ -14,6 +14,7 @@ from edgec.passes.float16 import float16
 from edgec.passes.fuse_projections import fuse_projections
 from edgec.passes.int4_weights import int4_weights
 from edgec.passes.kv_attention_gqa import kv_attention_gqa
+from edgec.passes.kv_cache import kv_cache
 from edgec.passes.skip_rms_norm import skip_rms_norm
 from edgec.passes.transposed_weight_gemm import transposed_weight_gemm
 
@@ -22,6 +23,7 @@ PASSES: dict[str, Callable[[ir.Model], int]] = {
     "fuse_projections": fuse_projections,
     "int4_weights": int4_weights,
     "kv_attention_gqa": kv_attention_gqa,
+    "kv_cache": kv_cache,
     "skip_rms_norm": skip_rms_norm,
     "transposed_weight_gemm": transposed_weight_gemm,
 }

@@ -52,13 +52,9 @@ class TrtStep:
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.state: list[tuple[str, str, list[int], np.ndarray]] = []  # (input, output, [ptr A, ptr B], host init)
         for layer in spec.layers:
-            shape = (1, layer.num_kv_heads, layer.capacity, layer.head_dim)
-            initial = (
-                np.zeros(shape, self.float_dtype),
-                np.zeros(shape, self.float_dtype),
-                np.full(shape[:3], -1, np.int64),
-            )
-            for value, inp, out in zip(initial, layer.input_names(), layer.output_names(), strict=True):
+            initial = spec.empty_state(layer).values()
+            names = zip(layer.input_names(spec.compression), layer.output_names(spec.compression), strict=True)
+            for value, (inp, out) in zip(initial, names, strict=True):
                 if inp in names:
                     self.state.append((inp, out, [self._alloc(value.nbytes), self._alloc(value.nbytes)], value))
         self.io = {
@@ -88,7 +84,13 @@ class TrtStep:
         for _, _, pointers, initial in self.state:
             self._upload(pointers[0], initial)
 
-    def run(self, ids: np.ndarray, start: int, last_only: bool) -> np.ndarray:
+    def begin_prompt(self, length: int) -> None:
+        """Engines are built for the plain cache only (no compressed-cache state to reshape)."""
+
+    def end_prompt(self, newest: int) -> None:
+        pass
+
+    def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:
         count = len(ids)
         if count > self.max_tokens:
             raise BundleError(f"the engine takes at most {self.max_tokens} tokens per step, got {count}")

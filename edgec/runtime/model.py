@@ -13,6 +13,7 @@ from edgec.bundle import read_manifest, verify_hashes
 from edgec.errors import BundleError, GenerationError
 from edgec.kvcache.spec import CacheSpec
 from edgec.runtime.chat import ChatFormat
+from edgec.runtime.protect import Protect, protect_flags
 from edgec.runtime.sampling import choose_token
 from edgec.runtime.tokenizer import BundleTokenizer
 
@@ -99,30 +100,54 @@ class Model:
         return ids
 
     # --- running -----------------------------------------------------------------------------------------
-    def _prefill(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
-        """Feed the prompt in chunks through the real cache path; logits of the last (or every) position."""
+    def _chunks(self, length: int) -> list[tuple[int, int]]:
+        """(start, end) of each prefill step. The short piece goes first so that the last chunk is full: a
+        compressed cache judges the prompt by its last queries, which should be many. A compressed cache that
+        selects between chunks takes at most its capacity per step."""
+        size = self.prefill_chunk
+        compression = self.cache_spec.compression
+        if compression and compression.prefill_compress == "chunk":
+            size = min(size, compression.capacity)
+        first = length % size or size
+        return [(0, first)] + [(start, start + size) for start in range(first, length, size)]
+
+    def _prefill(self, ids: np.ndarray, all_logits: bool, flags: np.ndarray | None = None) -> np.ndarray:
+        """Feed the prompt in chunks through the real cache path; logits of the last (or every) position.
+        ``flags``: per prompt token, never evict it (compressed caches)."""
         self._step.reset()
+        self._step.begin_prompt(len(ids))
         pieces = []
-        for start in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[start : start + self.prefill_chunk]
-            is_last = start + len(chunk) == len(ids)
-            logits = self._step.run(chunk, start, last_only=not all_logits)
-            if all_logits or is_last:
-                pieces.append(logits.copy() if len(chunk) == 1 else logits)  # a one-token result is a reused buffer
+        for start, end in self._chunks(len(ids)):
+            chunk_flags = None if flags is None else flags[start:end]
+            logits = self._step.run(ids[start:end], start, last_only=not all_logits, protect=chunk_flags)
+            if all_logits or end == len(ids):
+                pieces.append(logits.copy() if end - start == 1 else logits)  # a one-token result is a reused buffer
+        self._step.end_prompt(len(ids) - 1)
         return np.concatenate(pieces) if all_logits else pieces[-1]
 
-    def next_token_logits(self, prompt: Prompt) -> np.ndarray:
-        """Logits [vocab] for the token after ``prompt`` (text or ids), through the same path as ``generate``."""
-        return self._prefill(self._prompt_ids(prompt, None, False), all_logits=False)[-1]
+    def _protect_flags(self, protect: Protect, ids: np.ndarray) -> np.ndarray | None:
+        compression = self.cache_spec.compression
+        if protect is None:
+            protect = self.manifest["build_settings"].get("protect")
+        if compression is None or protect is None:
+            return None
+        return protect_flags(protect, ids, self.tokenizer.token_strings, compression.max_protected)
 
-    def logprobs(self, token_ids: Sequence[int]) -> np.ndarray:
-        """log P(token_ids[i+1] | token_ids[:i+1]) for each i, as the runtime computes it (float64, length n-1)."""
+    def next_token_logits(self, prompt: Prompt, protect: Protect = None) -> np.ndarray:
+        """Logits [vocab] for the token after ``prompt`` (text or ids), through the same path as ``generate``."""
+        ids = self._prompt_ids(prompt, None, False)
+        return self._prefill(ids, all_logits=False, flags=self._protect_flags(protect, ids))[-1]
+
+    def logprobs(self, token_ids: Sequence[int], protect: Protect = None) -> np.ndarray:
+        """log P(token_ids[i+1] | token_ids[:i+1]) for each i, as the runtime computes it (float64, length n-1).
+        With a compressed cache each chunk sees the cache as deployment would at that point."""
         ids = self._prompt_ids(token_ids, None, False) if not isinstance(token_ids, str) else None
         if ids is None:
             raise TypeError("logprobs takes token ids; use model.encode(text) first")
         if len(ids) < 2:
             raise GenerationError("logprobs needs at least two tokens")
-        logits = self._prefill(ids, all_logits=True)[:-1].astype(np.float64)
+        flags = self._protect_flags(protect, ids)
+        logits = self._prefill(ids, all_logits=True, flags=flags)[:-1].astype(np.float64)
         peak = logits.max(axis=-1, keepdims=True)
         log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
         return logits[np.arange(len(ids) - 1), ids[1:]] - log_norm
@@ -138,18 +163,21 @@ class Model:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        protect: Protect = None,
     ) -> Iterator[int]:
         """Yield new token ids one by one (greedy when temperature is 0); stops at EOS, after
-        ``max_new_tokens`` or when the context is full."""
+        ``max_new_tokens`` or when the context is full. ``protect`` (a compressed cache only): prompt token
+        indices, a predicate over token strings, or heuristics ``"numbers,names"`` — never evicted."""
         _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         ids = self._prompt_ids(prompt, messages, chat)
-        return self._token_stream(ids, max_new_tokens, temperature, top_k, top_p, seed)
+        flags = self._protect_flags(protect, ids)  # bad protect arguments fail here, not at the first next()
+        return self._token_stream(ids, max_new_tokens, temperature, top_k, top_p, seed, flags)
 
-    def _token_stream(self, ids, max_new_tokens, temperature, top_k, top_p, seed) -> Iterator[int]:
+    def _token_stream(self, ids, max_new_tokens, temperature, top_k, top_p, seed, flags) -> Iterator[int]:
         if max_new_tokens == 0:
             return
         rng = np.random.default_rng(seed)
-        logits = self._prefill(ids, all_logits=False)[-1]
+        logits = self._prefill(ids, all_logits=False, flags=flags)[-1]
         position = len(ids)
         step = np.empty(1, np.int64)
         for produced in range(max_new_tokens):
@@ -174,6 +202,7 @@ class Model:
         seed: int | None = None,
         stop: Sequence[str] | str | None = None,
         stream: bool = False,
+        protect: Protect = None,
     ) -> str | Iterator[str]:
         """Generate text. ``prompt`` is text or token ids; ``messages`` (or ``chat=True`` with a text prompt)
         applies the bundle's chat format. ``stop`` strings end generation (not included in the result).
@@ -190,6 +219,7 @@ class Model:
             top_k=top_k,
             top_p=top_p,
             seed=seed,
+            protect=protect,
         )
         pieces = _cut_at_stops(self.tokenizer.stream(t for t in tokens if t not in self.eos_token_ids), stops)
         return pieces if stream else "".join(pieces)

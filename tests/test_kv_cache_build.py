@@ -1,0 +1,128 @@
+"""The compressed cache end to end on a tiny model: the pass, build options, manifest, runtime modes, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from edgec.build import BuildSettings, build
+from edgec.cli import main
+from edgec.runtime import Model
+from tests.conftest import manifest, pydoc_text
+from tests.test_cli import assert_clean_failure
+
+KV = dict(target="cpu", context=128, prefill_chunk=16)
+
+
+@pytest.fixture(scope="module")
+def text_ids(tiny_bundle):
+    return Model.load(tiny_bundle).encode(pydoc_text()[:4000])[:120]
+
+
+def _build(tmp_path_factory, tiny_llama, name, **kv):
+    out = tmp_path_factory.mktemp("kv") / f"{name}.edgec"
+    build(tiny_llama, out, BuildSettings(**KV, **kv))
+    return out
+
+
+def test_full_capacity_fp32_equals_uncompressed(tmp_path_factory, tiny_llama, tiny_bundle, text_ids):
+    bundle = _build(tmp_path_factory, tiny_llama, "full", kv_capacity=128, kv_dtype="fp32", kv_policy="h2o")
+    graph = onnx.load(bundle / "model.onnx", load_external_data=False).graph
+    ops = [node.op_type for node in graph.node]
+    assert ops.count("CompressedKVAttention") == manifest(bundle)["model"]["num_layers"]
+    assert "GroupQueryAttention" not in ops
+    compressed, plain = Model.load(bundle), Model.load(tiny_bundle)
+    np.testing.assert_allclose(compressed.logprobs(text_ids), plain.logprobs(text_ids), atol=1e-5)
+    prompt = text_ids[:40]
+    assert compressed.generate(prompt, max_new_tokens=30) == plain.generate(prompt, max_new_tokens=30)
+
+
+@pytest.mark.parametrize("dtype,policy", [("int8", "snapkv"), ("int4", "h2o"), ("fp8", "streaming")])
+def test_compressed_bundle_records_its_cache_and_generates(tmp_path_factory, tiny_llama, dtype, policy, text_ids):
+    bundle = _build(
+        tmp_path_factory,
+        tiny_llama,
+        f"{dtype}-{policy}",
+        kv_capacity=40,
+        kv_dtype=dtype,
+        kv_policy=policy,
+        kv_window=8,
+        kv_group=16,
+        prefill_compress="chunk",
+    )
+    cache = manifest(bundle)["cache"]
+    assert cache["compression"] == {
+        "capacity": 40,
+        "sink": 4,
+        "window": 8,
+        "policy": policy,
+        "dtype": dtype,
+        "group": 16,
+        "observe": 32,
+        "prefill_compress": "chunk",
+        "protect_fraction": 0.25,
+    }
+    assert all(layer["compressed"] and layer["capacity"] == 40 for layer in cache["layers"])
+    model = Model.load(bundle)
+    logprobs = model.logprobs(text_ids)
+    assert np.isfinite(logprobs).all() and len(logprobs) == len(text_ids) - 1
+    assert len(model.generate(text_ids[:70], max_new_tokens=20)) > 0
+    result = CliRunner().invoke(main, ["inspect", str(bundle)])
+    assert f"policy {policy}, {dtype}" in result.output
+
+
+def test_end_mode_reads_the_whole_prompt_then_selects(tmp_path_factory, tiny_llama, tiny_bundle, text_ids):
+    """prefill_compress=end: the prompt's last logits are the uncompressed model's (it was read whole); the
+    selection shows from the first generated token on."""
+    bundle = _build(tmp_path_factory, tiny_llama, "end", kv_capacity=24, kv_window=8, kv_dtype="fp32")
+    compressed, plain = Model.load(bundle), Model.load(tiny_bundle)
+    prompt = text_ids[:100]
+    np.testing.assert_allclose(compressed.next_token_logits(prompt), plain.next_token_logits(prompt), atol=1e-4)
+    state = {name: array for name, _, array, _ in compressed._step._state}
+    assert state["cache.0.pos"].shape[-1] == 24
+    kept = np.sort(state["cache.0.pos"][0, 0])
+    assert set(range(4)) <= set(kept) and set(range(92, 100)) <= set(kept)  # sinks and the recent window
+    assert len(compressed.generate(prompt, max_new_tokens=10)) > 0
+
+
+def test_protected_tokens_survive_eviction(tmp_path_factory, tiny_llama, text_ids):
+    bundle = _build(
+        tmp_path_factory,
+        tiny_llama,
+        "protect",
+        kv_capacity=40,
+        kv_window=8,
+        kv_dtype="int8",
+        kv_group=16,
+        prefill_compress="chunk",
+        kv_policy="streaming",
+    )
+    model = Model.load(bundle)
+    prompt = text_ids[:100]
+    model.next_token_logits(prompt, protect=[10, 11, 50])
+    for name, _, array, _ in model._step._state:
+        if name.endswith(".pos"):
+            assert {10, 11, 50} <= set(array.ravel().tolist()), name  # streaming would have dropped them
+    with pytest.warns(UserWarning, match="protecting the first 7"):
+        model.next_token_logits(prompt, protect=list(range(20, 40)))
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--kv-capacity", "60"], "must exceed --kv-sink + --kv-window"),
+        (["--kv-capacity", "100", "--kv-policy", "lru"], "unknown --kv-policy 'lru'"),
+        (["--kv-dtype", "int3"], "unknown --kv-dtype 'int3'"),
+        (["--kv-dtype", "int8", "--kv-group", "12"], "--kv-group 12 does not divide the head dim"),
+        (["--kv-capacity", "100", "--prefill-compress", "later"], "unknown --prefill-compress"),
+        (["--kv-capacity", "500"], "exceeds the context 128"),
+        (["--protect", "numbers"], "needs a compressed cache"),
+    ],
+)
+def test_bad_cache_settings_are_one_line(tiny_llama, tmp_path, args, message):
+    out = tmp_path / "out.edgec"
+    result = CliRunner().invoke(main, ["build", str(tiny_llama), "-o", str(out), "--context", "128", *args])
+    assert_clean_failure(result, message)
+    assert not out.exists()
