@@ -126,3 +126,20 @@ def test_bad_cache_settings_are_one_line(tiny_llama, tmp_path, args, message):
     result = CliRunner().invoke(main, ["build", str(tiny_llama), "-o", str(out), "--context", "128", *args])
     assert_clean_failure(result, message)
     assert not out.exists()
+
+
+def test_continuation_scoring_and_capacity_at_load(tmp_path_factory, tiny_llama, tiny_bundle, text_ids):
+    plain = Model.load(tiny_bundle)
+    context, continuation = text_ids[:70], text_ids[70:110]
+    whole = plain.logprobs(context + continuation)[len(context) - 1 :]
+    np.testing.assert_allclose(plain.continuation_logprobs(context, continuation), whole, atol=1e-6)
+    bundle = _build(
+        tmp_path_factory, tiny_llama, "load-capacity", kv_capacity=64, kv_window=8, kv_dtype="int8", kv_group=16
+    )
+    smaller = Model.load(bundle, kv_capacity=30)
+    assert smaller.cache_spec.compression.capacity == 30
+    scored = smaller.continuation_logprobs(context, continuation)
+    assert scored.shape == (40,) and np.isfinite(scored).all()
+    assert {name: a.shape[2] for name, _, a, _ in smaller._step._state}["cache.1.k"] == 30
+    with pytest.raises(ValueError, match="must exceed the sinks"):
+        Model.load(bundle, kv_capacity=10)

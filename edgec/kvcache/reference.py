@@ -218,10 +218,17 @@ def compressed_kv_attention(
 def select_slots(state: dict[str, np.ndarray], compression, newest: int, capacity: int) -> dict[str, np.ndarray]:
     """Compress a state to ``capacity`` slots per head at once (``prefill_compress = end``): keep the forced
     candidates and then the highest scores, in slot order (the numpy twin of step 4 for a whole prompt)."""
+    from edgec.kvcache import policies
+
     protected = np.isposinf(state["score"]) & (state["pos"] >= 0)
-    keep = np.where(
-        forced(state["pos"], np.full((1, 1, 1), newest), protected, compression), np.float32(np.inf), state["score"]
-    )
+    score = state["score"]
+    policy = policies.get(compression.policy)
+    if hasattr(policy, "pool"):  # pool over neighbouring positions (slots sorted by position)
+        order = np.argsort(np.where(state["pos"] < 0, np.iinfo(np.int64).max, state["pos"]), axis=-1, kind="stable")
+        pooled = policy.pool(np.take_along_axis(np.where(protected, 0, score), order, -1))
+        score = np.empty_like(pooled)
+        np.put_along_axis(score, order, pooled, -1)
+    keep = np.where(forced(state["pos"], np.full((1, 1, 1), newest), protected, compression), np.float32(np.inf), score)
     keep = np.where(state["pos"] < 0, -np.inf, keep)
     if state["pos"].shape[-1] <= capacity:
         chosen = np.broadcast_to(np.arange(state["pos"].shape[-1]), state["pos"].shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -29,10 +30,12 @@ class Model:
     ``top_k``; ``TypeError`` for arguments of the wrong type.
     """
 
-    def __init__(self, path: Path, manifest: dict[str, Any], threads: int | None = None) -> None:
+    def __init__(
+        self, path: Path, manifest: dict[str, Any], threads: int | None = None, kv_capacity: int | None = None
+    ) -> None:
         self.path = path
         self.manifest = manifest
-        self.cache_spec = CacheSpec.from_json(manifest["cache"])
+        self.cache_spec = _with_capacity(CacheSpec.from_json(manifest["cache"]), kv_capacity)
         self.context = int(manifest["model"]["context"])
         self.vocab_size = int(manifest["model"]["vocab_size"])
         self.prefill_chunk = int(manifest["build_settings"]["prefill_chunk"])
@@ -46,14 +49,17 @@ class Model:
         self._step = _backend(path, manifest, self.cache_spec, self.vocab_size, threads)
 
     @classmethod
-    def load(cls, path: str | Path, threads: int | None = None, check_hashes: bool = False) -> Model:
+    def load(
+        cls, path: str | Path, threads: int | None = None, check_hashes: bool = False, kv_capacity: int | None = None
+    ) -> Model:
         """Open a bundle folder. File presence and sizes are always checked; ``check_hashes`` also checks every
-        sha256 (slower: reads every byte)."""
+        sha256 (slower: reads every byte). ``kv_capacity`` changes a compressed cache's slot count (its graph
+        takes any): fewer slots trade quality for memory without a rebuild."""
         path = Path(path)
         manifest = read_manifest(path)
         if check_hashes and (bad := verify_hashes(path, manifest)):
             raise BundleError(f"{', '.join(bad)} in {path} differ from the manifest (sha256): damaged or tampered")
-        return cls(path, manifest, threads)
+        return cls(path, manifest, threads, kv_capacity)
 
     # --- prompts -----------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -132,6 +138,32 @@ class Model:
         if compression is None or protect is None:
             return None
         return protect_flags(protect, ids, self.tokenizer.token_strings, compression.max_protected)
+
+    def continuation_logprobs(
+        self, context: Sequence[int], continuation: Sequence[int], protect: Protect = None
+    ) -> np.ndarray:
+        """log P(continuation[i] | context + continuation[:i]) for each i: the context is read as a prompt
+        (and compressed as the bundle's settings say), then the continuation is scored in steps through the
+        cache that the context left — how an answer is judged against a long document."""
+        context_ids = self._prompt_ids(context, None, False)
+        continuation_ids = np.asarray(self._check_ids(continuation), dtype=np.int64)
+        if len(continuation_ids) == 0 or len(context_ids) + len(continuation_ids) > self.context:
+            raise GenerationError(f"need 1 to {self.context - len(context_ids)} continuation tokens")
+        flags = self._protect_flags(protect, context_ids)
+        first = self._prefill(context_ids, all_logits=False, flags=flags)[-1].astype(np.float64)
+        rows = [first]
+        position = len(context_ids)
+        size = self.prefill_chunk
+        if self.cache_spec.compression:
+            size = min(size, self.cache_spec.compression.capacity)
+        for start in range(0, len(continuation_ids) - 1, size):
+            piece = continuation_ids[start : min(start + size, len(continuation_ids) - 1)]
+            rows.append(self._step.run(piece, position, last_only=False).astype(np.float64))
+            position += len(piece)
+        logits = np.concatenate([row.reshape(-1, row.shape[-1]) for row in rows])
+        peak = logits.max(axis=-1, keepdims=True)
+        log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
+        return logits[np.arange(len(continuation_ids)), continuation_ids] - log_norm
 
     def next_token_logits(self, prompt: Prompt, protect: Protect = None) -> np.ndarray:
         """Logits [vocab] for the token after ``prompt`` (text or ids), through the same path as ``generate``."""
@@ -223,6 +255,23 @@ class Model:
         )
         pieces = _cut_at_stops(self.tokenizer.stream(t for t in tokens if t not in self.eos_token_ids), stops)
         return pieces if stream else "".join(pieces)
+
+
+def _with_capacity(spec: CacheSpec, capacity: int | None) -> CacheSpec:
+    if capacity is None:
+        return spec
+    compression = spec.compression
+    if compression is None:
+        raise BundleError("kv_capacity applies to a compressed cache; this bundle was built without --kv-*")
+    if capacity < compression.sink + compression.window + 1:
+        raise GenerationError(
+            f"kv_capacity {capacity} must exceed the sinks + recent window ({compression.sink} + {compression.window})"
+        )
+    compression = dataclasses.replace(compression, capacity=capacity)
+    layers = tuple(
+        dataclasses.replace(layer, capacity=capacity) if layer.compressed else layer for layer in spec.layers
+    )
+    return dataclasses.replace(spec, layers=layers, compression=compression)
 
 
 # the extra to install for each ONNX Runtime execution provider a bundle may name

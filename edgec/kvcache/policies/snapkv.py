@@ -16,7 +16,8 @@ DECAY = 0.99
 POOL = 7  # SnapKV's max-pool kernel
 
 
-def _pool(x: np.ndarray) -> np.ndarray:
+def pool(x: np.ndarray) -> np.ndarray:
+    """Max over each token's neighbours (``POOL`` wide) along the last axis."""
     half = POOL // 2
     padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(half, half)], constant_values=-np.inf)
     windows = np.lib.stride_tricks.sliding_window_view(padded, POOL, axis=-1)
@@ -28,7 +29,7 @@ def update(score, stats, key_pos, new):
         return accumulate(score, stats["total"], DECAY)
     observed = stats["observed"]
     capacity = score.shape[-1]
-    return np.concatenate([observed[..., :capacity], _pool(observed[..., capacity:])], axis=-1).astype(np.float32)
+    return np.concatenate([observed[..., :capacity], pool(observed[..., capacity:])], axis=-1).astype(np.float32)
 
 
 def update_onnx(body, score, stats, key_pos, new) -> str:
