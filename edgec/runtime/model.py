@@ -12,6 +12,7 @@ import numpy as np
 
 from edgec.bundle import read_manifest, verify_hashes
 from edgec.errors import BundleError, GenerationError
+from edgec.kvcache.compression import PREFILL_MODES
 from edgec.kvcache.spec import CacheSpec
 from edgec.runtime.chat import ChatFormat
 from edgec.runtime.protect import Protect, protect_flags
@@ -31,11 +32,16 @@ class Model:
     """
 
     def __init__(
-        self, path: Path, manifest: dict[str, Any], threads: int | None = None, kv_capacity: int | None = None
+        self,
+        path: Path,
+        manifest: dict[str, Any],
+        threads: int | None = None,
+        kv_capacity: int | None = None,
+        prefill_compress: str | None = None,
     ) -> None:
         self.path = path
         self.manifest = manifest
-        self.cache_spec = _with_capacity(CacheSpec.from_json(manifest["cache"]), kv_capacity)
+        self.cache_spec = _with_overrides(CacheSpec.from_json(manifest["cache"]), kv_capacity, prefill_compress)
         self.context = int(manifest["model"]["context"])
         self.vocab_size = int(manifest["model"]["vocab_size"])
         self.prefill_chunk = int(manifest["build_settings"]["prefill_chunk"])
@@ -50,16 +56,22 @@ class Model:
 
     @classmethod
     def load(
-        cls, path: str | Path, threads: int | None = None, check_hashes: bool = False, kv_capacity: int | None = None
+        cls,
+        path: str | Path,
+        threads: int | None = None,
+        check_hashes: bool = False,
+        kv_capacity: int | None = None,
+        prefill_compress: str | None = None,
     ) -> Model:
         """Open a bundle folder. File presence and sizes are always checked; ``check_hashes`` also checks every
-        sha256 (slower: reads every byte). ``kv_capacity`` changes a compressed cache's slot count (its graph
-        takes any): fewer slots trade quality for memory without a rebuild."""
+        sha256 (slower: reads every byte). For a compressed cache, ``kv_capacity`` changes its slot count (the
+        graph takes any: fewer slots trade quality for memory without a rebuild) and ``prefill_compress``
+        (``end``/``chunk``) how long prompts are read; both default to the manifest's."""
         path = Path(path)
         manifest = read_manifest(path)
         if check_hashes and (bad := verify_hashes(path, manifest)):
             raise BundleError(f"{', '.join(bad)} in {path} differ from the manifest (sha256): damaged or tampered")
-        return cls(path, manifest, threads, kv_capacity)
+        return cls(path, manifest, threads, kv_capacity, prefill_compress)
 
     # --- prompts -----------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -117,16 +129,19 @@ class Model:
         first = length % size or size
         return [(0, first)] + [(start, start + size) for start in range(first, length, size)]
 
-    def _prefill(self, ids: np.ndarray, all_logits: bool, flags: np.ndarray | None = None) -> np.ndarray:
+    def _prefill(self, ids: np.ndarray, all_logits: bool, flags: np.ndarray | None = None, reduce=None) -> np.ndarray:
         """Feed the prompt in chunks through the real cache path; logits of the last (or every) position.
-        ``flags``: per prompt token, never evict it (compressed caches)."""
+        ``flags``: per prompt token, never evict it (compressed caches). ``reduce(start, logits)`` turns each
+        chunk's logits into something smaller as they come (a long text's logits would not fit in memory)."""
         self._step.reset()
         self._step.begin_prompt(len(ids))
         pieces = []
         for start, end in self._chunks(len(ids)):
             chunk_flags = None if flags is None else flags[start:end]
             logits = self._step.run(ids[start:end], start, last_only=not all_logits, protect=chunk_flags)
-            if all_logits or end == len(ids):
+            if reduce is not None:
+                pieces.append(reduce(start, logits))
+            elif all_logits or end == len(ids):
                 pieces.append(logits.copy() if end - start == 1 else logits)  # a one-token result is a reused buffer
         self._step.end_prompt(len(ids) - 1)
         return np.concatenate(pieces) if all_logits else pieces[-1]
@@ -140,17 +155,19 @@ class Model:
         return protect_flags(protect, ids, self.tokenizer.token_strings, compression.max_protected)
 
     def continuation_logprobs(
-        self, context: Sequence[int], continuation: Sequence[int], protect: Protect = None
-    ) -> np.ndarray:
+        self, context: Sequence[int], continuation: Sequence[int], protect: Protect = None, with_top1: bool = False
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """log P(continuation[i] | context + continuation[:i]) for each i: the context is read as a prompt
         (and compressed as the bundle's settings say), then the continuation is scored in steps through the
-        cache that the context left — how an answer is judged against a long document."""
+        cache that the context left — how an answer is judged against a long document. ``with_top1`` also
+        returns the most likely token at each step (greedy decoding would produce the continuation exactly
+        when they all match)."""
         context_ids = self._prompt_ids(context, None, False)
         continuation_ids = np.asarray(self._check_ids(continuation), dtype=np.int64)
         if len(continuation_ids) == 0 or len(context_ids) + len(continuation_ids) > self.context:
             raise GenerationError(f"need 1 to {self.context - len(context_ids)} continuation tokens")
         flags = self._protect_flags(protect, context_ids)
-        first = self._prefill(context_ids, all_logits=False, flags=flags)[-1].astype(np.float64)
+        first = self._prefill(context_ids, all_logits=False, flags=flags)[-1].copy()
         rows = [first]
         position = len(context_ids)
         size = self.prefill_chunk
@@ -158,12 +175,11 @@ class Model:
             size = min(size, self.cache_spec.compression.capacity)
         for start in range(0, len(continuation_ids) - 1, size):
             piece = continuation_ids[start : min(start + size, len(continuation_ids) - 1)]
-            rows.append(self._step.run(piece, position, last_only=False).astype(np.float64))
+            rows.append(self._step.run(piece, position, last_only=False).copy())
             position += len(piece)
         logits = np.concatenate([row.reshape(-1, row.shape[-1]) for row in rows])
-        peak = logits.max(axis=-1, keepdims=True)
-        log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
-        return logits[np.arange(len(continuation_ids)), continuation_ids] - log_norm
+        scores = _log_softmax_at(logits, continuation_ids)
+        return (scores, logits.argmax(axis=-1)) if with_top1 else scores
 
     def next_token_logits(self, prompt: Prompt, protect: Protect = None) -> np.ndarray:
         """Logits [vocab] for the token after ``prompt`` (text or ids), through the same path as ``generate``."""
@@ -179,10 +195,12 @@ class Model:
         if len(ids) < 2:
             raise GenerationError("logprobs needs at least two tokens")
         flags = self._protect_flags(protect, ids)
-        logits = self._prefill(ids, all_logits=True, flags=flags)[:-1].astype(np.float64)
-        peak = logits.max(axis=-1, keepdims=True)
-        log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
-        return logits[np.arange(len(ids) - 1), ids[1:]] - log_norm
+        targets = np.append(ids[1:], 0)  # the last position predicts nothing we know
+
+        def chunk_logprobs(start: int, logits: np.ndarray) -> np.ndarray:
+            return _log_softmax_at(logits, targets[start : start + len(logits)])
+
+        return self._prefill(ids, all_logits=True, flags=flags, reduce=chunk_logprobs)[:-1]
 
     def generate_ids(
         self,
@@ -257,12 +275,28 @@ class Model:
         return pieces if stream else "".join(pieces)
 
 
-def _with_capacity(spec: CacheSpec, capacity: int | None) -> CacheSpec:
-    if capacity is None:
+def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """log softmax(logits[i])[targets[i]] per row, float64, without a float64 copy of every logit."""
+    logits = logits.astype(np.float32, copy=False)
+    peak = logits.max(axis=-1, keepdims=True)
+    total = np.exp(logits - peak).sum(axis=-1, dtype=np.float64)
+    picked = logits[np.arange(len(targets)), targets].astype(np.float64)
+    return picked - peak[:, 0].astype(np.float64) - np.log(total)
+
+
+def _with_overrides(spec: CacheSpec, capacity: int | None, prefill_compress: str | None) -> CacheSpec:
+    if capacity is None and prefill_compress is None:
         return spec
     compression = spec.compression
     if compression is None:
-        raise BundleError("kv_capacity applies to a compressed cache; this bundle was built without --kv-*")
+        raise BundleError("kv_capacity/prefill_compress apply to a compressed cache; this bundle has none (--kv-*)")
+    if prefill_compress is not None:
+        if prefill_compress not in PREFILL_MODES:
+            raise GenerationError(
+                f"prefill_compress must be one of {', '.join(PREFILL_MODES)}, not {prefill_compress!r}"
+            )
+        compression = dataclasses.replace(compression, prefill_compress=prefill_compress)
+    capacity = capacity or compression.capacity
     if capacity < compression.sink + compression.window + 1:
         raise GenerationError(
             f"kv_capacity {capacity} must exceed the sinks + recent window ({compression.sink} + {compression.window})"
