@@ -242,7 +242,9 @@ def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk):
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat format.")
-def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat) -> None:
+@click.option("--protect", default=None, help="Compressed cache: never evict these prompt tokens (numbers,names).")
+@click.option("--kv-capacity", type=int, default=None, help="Compressed cache: slots per head [the bundle's].")
+def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, protect, kv_capacity) -> None:
     """Generate text from a bundle, streaming to the terminal.
 
     \b
@@ -251,9 +253,10 @@ def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat) -
     """
     from edgec.runtime import Model
 
-    model = Model.load(bundle)
+    model = Model.load(bundle, kv_capacity=kv_capacity)
     pieces = model.generate(
         prompt,
+        protect=protect,
         chat=chat,
         max_new_tokens=max_new_tokens,
         temperature=temperature,

@@ -143,3 +143,29 @@ def test_continuation_scoring_and_capacity_at_load(tmp_path_factory, tiny_llama,
     assert {name: a.shape[2] for name, _, a, _ in smaller._step._state}["cache.1.k"] == 30
     with pytest.raises(ValueError, match="must exceed the sinks"):
         Model.load(bundle, kv_capacity=10)
+
+
+def test_run_command_takes_protect_and_capacity(tmp_path_factory, tiny_llama, tiny_bundle):
+    bundle = _build(
+        tmp_path_factory,
+        tiny_llama,
+        "cli",
+        kv_capacity=40,
+        kv_window=8,
+        kv_dtype="int8",
+        kv_group=16,
+        protect="numbers,names",
+    )
+    assert manifest(bundle)["build_settings"]["protect"] == "numbers,names"
+    result = CliRunner().invoke(main, ["run", str(bundle), "The 3 Rules of Python", "-n", "5", "--kv-capacity", "30"])
+    assert result.exit_code == 0, result.output
+    assert_clean_failure(CliRunner().invoke(main, ["run", str(bundle), "x", "--protect", "dates"]), "dates")
+    assert_clean_failure(CliRunner().invoke(main, ["run", str(tiny_bundle), "x", "--kv-capacity", "30"]), "no")
+
+
+def test_protect_heuristics_pick_numbers_and_names():
+    from edgec.runtime.protect import protect_flags
+
+    pieces = ["The", "Ġpatient", "Ġtakes", "Ġwar", "far", "in", ".", "ĠShe", "Ġtold", "ĠElizabeth", "Ġ20", "mg"]
+    flags = protect_flags("numbers,names", np.arange(len(pieces)), lambda ids: [pieces[i] for i in ids], limit=10)
+    assert [pieces[i] for i in np.flatnonzero(flags)] == ["ĠElizabeth", "Ġ20"]  # "The"/"She" start sentences
