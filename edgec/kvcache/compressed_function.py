@@ -80,7 +80,8 @@ def _dequantize(b: Body, stored: str, scale: str | None, compression: Compressio
     )
     axis = b.i64([-1])
     pairs = b.op("Concat", b.op("Unsqueeze", low, axis), b.op("Unsqueeze", high, axis), axis=-1)
-    shape = b.op("Concat", b.op("Shape", stored, end=3), b.i64([-1]), axis=0)
+    # explicit sizes, not -1: an empty slice (no filled slot yet) makes -1 ambiguous
+    shape = b.op("Concat", b.op("Shape", stored, end=3), b.op("Mul", b.op("Shape", stored, start=3), b.i64(2)), axis=0)
     unpacked = b.op("Reshape", pairs, shape)
     zero_point = b.op("Expand", b.u8(8), b.op("Shape", scale))
     return b.op("DequantizeLinear", unpacked, scale, zero_point, axis=3, block_size=group)
@@ -88,7 +89,8 @@ def _dequantize(b: Body, stored: str, scale: str | None, compression: Compressio
 
 def _scale_groups(b: Body, values: str, scale: str, group: int) -> str:
     """values [B,Hkv,N,D] × scale [B,Hkv,N,D/G] per group of G channels."""
-    grouped_shape = b.op("Concat", b.op("Shape", values, end=3), b.i64([-1, group]), axis=0)
+    groups = b.op("Div", b.op("Shape", values, start=3), b.i64(group))
+    grouped_shape = b.op("Concat", b.op("Shape", values, end=3), groups, b.i64([group]), axis=0)
     grouped = b.op("Reshape", values, grouped_shape)
     scaled = b.op("Mul", grouped, b.op("Unsqueeze", scale, b.i64([-1])))
     return b.op("Reshape", scaled, b.op("Shape", values))
@@ -159,8 +161,17 @@ def make_function(compression: Compression, default_opset: int) -> onnx.Function
     heads = b.shape("q", 1)
     head_dim = b.shape("q", 3)
 
-    old_k = _dequantize(b, names["k_cache"], names.get("k_scale"), compression)
-    old_v = _dequantize(b, names["v_cache"], names.get("v_scale"), compression)
+    # attention reads slots [0, active) only, active = the last filled slot + 1: empty slots fill lowest first,
+    # so while a cache (or the large temporary one of an `end` prompt) fills up, its empty tail costs nothing
+    slot_index = b.op("Range", b.i64(0), b.op("Squeeze", capacity), b.i64(1))
+    filled_at = b.op("Where", b.op("GreaterOrEqual", "pos", b.i64(0)), slot_index, b.i64(-1))
+    active = b.op("Reshape", b.op("Add", b.op("ReduceMax", filled_at, keepdims=0), b.i64(1)), b.i64([1]))
+
+    def active_slots(name: str | None) -> str | None:
+        return None if name is None else b.op("Slice", name, b.i64([0]), active, b.i64([2]))
+
+    old_k = _dequantize(b, active_slots(names["k_cache"]), active_slots(names.get("k_scale")), compression)
+    old_v = _dequantize(b, active_slots(names["v_cache"]), active_slots(names.get("v_scale")), compression)
 
     # 1. attention over the slots and the new tokens; queries grouped per KV head: [B,Hkv,G·T,D]
     rows_shape = b.op("Concat", b.i64([0]), kv_heads, b.i64([-1]), head_dim, axis=0)
@@ -171,7 +182,8 @@ def make_function(compression: Compression, default_opset: int) -> onnx.Function
     scores = b.op("Mul", b.op("Concat", scores_old, scores_new, axis=-1), scale_attr)
     bht = b.op("Concat", b.op("Shape", "k", end=2), new, axis=0)
     new_pos = b.op("Expand", b.op("Unsqueeze", "position_ids", b.i64([1])), bht)  # [B,Hkv,T]
-    key_pos = b.op("Concat", "pos", new_pos, axis=2)  # [B,Hkv,L]
+    key_pos = b.op("Concat", "pos", new_pos, axis=2)  # [B,Hkv,C+T]: every candidate
+    attended_pos = b.op("Concat", active_slots("pos"), new_pos, axis=2)  # [B,Hkv,active+T]
     group_size = b.op("Div", heads, kv_heads)
     query_grid = b.op("Concat", b.op("Shape", "position_ids", end=1), b.i64([1]), group_size, new, axis=0)
     query_pos = b.op(
@@ -179,15 +191,15 @@ def make_function(compression: Compression, default_opset: int) -> onnx.Function
         b.op("Expand", b.op("Unsqueeze", "position_ids", b.i64([1, 2])), query_grid),
         b.i64([0, 1, -1, 1]),
     )  # [B,1,G·T,1], row g·T + t holds position t
-    keys = b.op("Unsqueeze", key_pos, b.i64([2]))  # [B,Hkv,1,L]
+    keys = b.op("Unsqueeze", attended_pos, b.i64([2]))  # [B,Hkv,1,active+T]
     has_window = b.op("Greater", window_attr, b.i64(0))
     span = b.op("Where", has_window, window_attr, b.i64(HUGE))
     lowest = b.op("Max", b.op("Sub", query_pos, b.op("Sub", span, b.i64(1))), b.i64(0))
     valid = b.op("And", b.op("GreaterOrEqual", keys, lowest), b.op("LessOrEqual", keys, query_pos))
     masked = b.op("Where", valid, scores, b.f32(float("-inf")))
     probs = b.op("Softmax", masked, axis=-1)
-    probs_old = b.op("Slice", probs, b.i64([0]), capacity, b.i64([-1]))
-    probs_new = b.op("Slice", probs, capacity, b.i64([HUGE]), b.i64([-1]))
+    probs_old = b.op("Slice", probs, b.i64([0]), active, b.i64([-1]))
+    probs_new = b.op("Slice", probs, active, b.i64([HUGE]), b.i64([-1]))
     context = b.op("Add", b.op("MatMul", probs_old, old_v), b.op("MatMul", probs_new, "v"))  # [B,Hkv,G·T,D]
     b.named("Transpose", [b.op("Reshape", context, b.op("Shape", "q"))], "out", perm=[0, 2, 1, 3])
 
@@ -203,6 +215,11 @@ def make_function(compression: Compression, default_opset: int) -> onnx.Function
     if "last" in policy.needs:
         last = b.op("Slice", per_query, b.i64([-1]), b.i64([HUGE]), b.i64([3]))
         stats["last"] = b.op("ReduceMean", last, b.i64([2, 3]), keepdims=0)
+    # back to one entry per candidate: the slots past `active` received nothing
+    gap = b.op("Concat", b.i64([0, 0, 0, 0, 0]), b.op("Sub", capacity, active), axis=0)
+    for name, stat in stats.items():
+        old_part = b.op("Pad", b.op("Slice", stat, b.i64([0]), active, b.i64([-1])), gap, b.f32(0.0))
+        stats[name] = b.op("Concat", old_part, b.op("Slice", stat, active, b.i64([HUGE]), b.i64([-1])), axis=-1)
     updated = policy.update_onnx(b, "score", stats, key_pos, new)
     inf = b.f32(float("inf"))
     old_protected = b.op("And", b.op("IsInf", "score", detect_negative=0), b.op("GreaterOrEqual", "pos", b.i64(0)))
