@@ -225,11 +225,13 @@ def _validation_feeds(bundle: Path, manifest: dict) -> list[dict]:
             "position_ids": np.arange(len(ids))[None],
             "logits_index": np.array([len(ids) - 1]),
         }
+        if spec.compression:
+            feed["protect"] = np.zeros((1, len(ids)), bool)
         for layer in spec.layers:
-            shape = (1, layer.num_kv_heads, layer.capacity, layer.head_dim)
-            k_name, v_name, pos_name = layer.input_names()
-            feed[k_name] = feed[v_name] = np.zeros(shape, np.float32)
-            if spec.positions:
-                feed[pos_name] = np.full(shape[:3], -1, np.int64)
+            state = spec.empty_state(layer)
+            for name, array in zip(layer.input_names(spec.compression), state.values(), strict=True):
+                if name.endswith(".pos") and not (spec.positions or layer.compressed):
+                    continue  # implicit where the target's lowering removed it
+                feed[name] = array
         feeds.append(feed)
     return feeds

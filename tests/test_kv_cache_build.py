@@ -169,3 +169,11 @@ def test_protect_heuristics_pick_numbers_and_names():
     pieces = ["The", "Ġpatient", "Ġtakes", "Ġwar", "far", "in", ".", "ĠShe", "Ġtold", "ĠElizabeth", "Ġ20", "mg"]
     flags = protect_flags("numbers,names", np.arange(len(pieces)), lambda ids: [pieces[i] for i in ids], limit=10)
     assert [pieces[i] for i in np.flatnonzero(flags)] == ["ĠElizabeth", "Ġ20"]  # "The"/"She" start sentences
+
+
+def test_verify_compare_runs_a_compressed_bundle(tmp_path_factory, tiny_llama):
+    from edgec.verify import verify
+
+    bundle = _build(tmp_path_factory, tiny_llama, "verify", kv_capacity=40, kv_window=8, kv_dtype="int4", kv_group=16)
+    checks = {check.name: check.status for check in verify(bundle, compare=True)}
+    assert "fail" not in checks.values(), checks
