@@ -124,11 +124,17 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(str(plain / "tokenizer.json"))
     ids = tokenizer.encode(models.austen_text()[5000:]).ids[: args.tokens]
     rows = []
+    done_path = models.OUT / f"kv_quality_rows_{args.tokens}.jsonl"  # finished rows survive an interrupted run
+    finished = [json.loads(line) for line in done_path.read_text().splitlines()] if done_path.exists() else []
 
     def score(label: str, policy: str, dtype: str, path: Path, fraction: float | None) -> None:
         capacity = None if fraction is None else int(args.tokens * fraction)
         if policy != "-" and capacity is None:
             capacity = args.tokens  # full capacity: no eviction, storage only
+        for row in finished:
+            if (row["policy"], row["dtype"], row["capacity"]) == (policy, dtype, capacity or args.tokens):
+                rows.append(row)
+                return
         started = time.time()
         value = perplexity(path, ids, capacity, args.threads)
         row = {
@@ -142,17 +148,21 @@ def main() -> None:
             "seconds": round(time.time() - started, 1),
         }
         rows.append(row)
+        with done_path.open("a") as file:
+            file.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
 
+    # the most telling rows first, so that a run cut short still answers the main questions
     score("plain fp32", "-", "fp32", plain, None)
-    score("full capacity", "h2o", "fp32", bundle("h2o", "fp32"), None)
-    for dtype in ("int8", "fp8", "int4"):
-        score("full capacity", "h2o", dtype, bundle("h2o", dtype), None)
-    for dtype in ("int8", "int4"):
+    score("full capacity", "h2o", "int8", bundle("h2o", "int8"), None)
+    for fraction in (0.25, 0.5, 0.125):
         for policy in args.policies:
-            path = bundle(policy, dtype)
-            for fraction in FRACTIONS:
-                score(f"{fraction:.1%} capacity", policy, dtype, path, fraction)
+            score(f"{fraction:.1%} capacity", policy, "int8", bundle(policy, "int8"), fraction)
+    for dtype in ("fp8", "int4"):
+        score("full capacity", "h2o", dtype, bundle("h2o", dtype), None)
+    for fraction in FRACTIONS:
+        for policy in args.policies:
+            score(f"{fraction:.1%} capacity", policy, "int4", bundle(policy, "int4"), fraction)
     result = {
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {args.threads} threads",
