@@ -116,7 +116,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--policies", nargs="*", default=list(POLICIES))
+    parser.add_argument("--report", action="store_true", help="only print the table and plot from the last run")
     args = parser.parse_args()
+    if args.report:
+        rows = json.loads((models.OUT / "kv_quality.json").read_text())["rows"]
+        print_table(rows)
+        plot(rows, models.OUT / "kv_quality.png")
+        return
     OUT.mkdir(parents=True, exist_ok=True)
     from tokenizers import Tokenizer
 
@@ -204,7 +210,7 @@ def plot(rows: list[dict], path: Path) -> None:
             )
             if points:
                 axis.plot(*zip(*points, strict=True), marker=marker, label=f"{policy} {dtype}")
-    for row in rows[:5]:
+    for row in (r for r in rows if r["fraction"] == 1):
         axis.scatter(row["kv_bytes_per_token"], row["perplexity"], marker="*", s=120, zorder=3)
         axis.annotate(f"{row['dtype']} full", (row["kv_bytes_per_token"], row["perplexity"]), fontsize=8)
     axis.set_xscale("log")
