@@ -148,11 +148,56 @@ def _encode_e4m3(b: Body, y: str) -> str:
 
 # --- the body ------------------------------------------------------------------------------------------------
 def make_function(compression: Compression, default_opset: int) -> onnx.FunctionProto:
-    """The function body for one compression setting; ``default_opset`` must equal the model's."""
-    policy = policies.get(compression.policy)
+    """The function body for one compression setting; ``default_opset`` must equal the model's.
+
+    Two branches of one ``If``: the general call (any T) and a one-token decode step, which is the same
+    meaning with less work — one query needs no causal mask, and its token, always in the recent window, is
+    always kept, so it simply takes the weakest slot (ArgMin; the same tie rule as TopK). Decode is the hot
+    path: the general branch runs ~220 nodes per layer, the decode branch about half.
+    """
     b = Body()
     scale_attr = b.attribute_ref("value_float", "scale", AttributeProto.FLOAT)
     window_attr = b.attribute_ref("value_int", "window", AttributeProto.INT)
+    is_decode = b.op("Equal", b.op("Squeeze", b.shape("k", 2)), b.i64(1))
+    branches = {}
+    for kind, emit in (("decode", _decode), ("general", _general)):
+        branch = Body(prefix=f"{kind[0]}_")
+        results = emit(branch, compression, scale_attr, window_attr)
+        graph_outputs = []
+        for name in outputs(compression):
+            value = branch.op("Identity", results[name], name=f"{name}_result")
+            graph_outputs.append(helper.make_tensor_value_info(value, _output_type(compression, name), None))
+        branches[kind] = helper.make_graph(branch.nodes, f"{kind}_step", [], graph_outputs)
+    b.nodes.append(
+        helper.make_node(
+            "If",
+            [is_decode],
+            list(outputs(compression)),
+            then_branch=branches["decode"],
+            else_branch=branches["general"],
+        )
+    )
+    return helper.make_function(
+        DOMAIN,
+        OP_TYPE,
+        list(inputs(compression)),
+        list(outputs(compression)),
+        b.nodes,
+        opset_imports=[helper.make_opsetid("", default_opset)],
+        attributes=["scale"],
+        attribute_protos=[helper.make_attribute("window", 0)],
+    )
+
+
+def _output_type(compression: Compression, name: str) -> int:
+    if name in ("k_cache_out", "v_cache_out"):
+        return STORAGE_TYPES[compression.dtype]
+    return TensorProto.INT64 if name == "pos_out" else TensorProto.FLOAT
+
+
+def _general(b: Body, compression: Compression, scale_attr: str, window_attr: str) -> dict[str, str]:
+    """Any number of new tokens: attention with causal masks, pairing, index-ordered writes."""
+    policy = policies.get(compression.policy)
     names = dict(zip(state_names(compression), state_names(compression), strict=True))
     capacity = b.shape("pos", 2)
     new = b.shape("k", 2)  # T
@@ -200,7 +245,7 @@ def make_function(compression: Compression, default_opset: int) -> onnx.Function
     probs_old = b.op("Slice", probs, b.i64([0]), active, b.i64([-1]))
     probs_new = b.op("Slice", probs, active, b.i64([HUGE]), b.i64([-1]))
     context = b.op("Add", b.op("MatMul", probs_old, old_v), b.op("MatMul", probs_new, "v"))  # [B,Hkv,G·T,D]
-    b.named("Transpose", [b.op("Reshape", context, b.op("Shape", "q"))], "out", perm=[0, 2, 1, 3])
+    out = b.op("Transpose", b.op("Reshape", context, b.op("Shape", "q")), perm=[0, 2, 1, 3])
 
     # 2. what this call's attention says about each candidate, then the policy's scores
     stats = {}
@@ -257,22 +302,98 @@ def make_function(compression: Compression, default_opset: int) -> onnx.Function
         trailing = name not in ("score", "pos")
         slots = weakest_after_out if name in ("v_cache", "v_scale") else weakest
         written[name] = _write(b, current[name], arriving[name], slots, strongest, replace, trailing)
-    final_pos = written["pos"]
     if policy.prunes:
-        final_pos = _prune(b, policy, written, weakest, replace, newest, compression)
-    for name in state_names(compression):
-        b.named("Identity", [final_pos if name == "pos" else written[name]], f"{name}_out")
+        written["pos"] = _prune(b, policy, written, weakest, replace, newest, compression)
+    return {"out": out} | {f"{name}_out": value for name, value in written.items()}
 
-    return helper.make_function(
-        DOMAIN,
-        OP_TYPE,
-        list(inputs(compression)),
-        list(outputs(compression)),
-        b.nodes,
-        opset_imports=[helper.make_opsetid("", default_opset)],
-        attributes=["scale"],
-        attribute_protos=[helper.make_attribute("window", 0)],
+
+def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str) -> dict[str, str]:
+    """One new token per sequence (T = 1): the general meaning, specialised."""
+    policy = policies.get(compression.policy)
+    names = dict(zip(state_names(compression), state_names(compression), strict=True))
+    capacity = b.shape("pos", 2)
+    kv_heads = b.shape("k", 1)
+    head_dim = b.shape("q", 3)
+    slot_index = b.op("Range", b.i64(0), b.op("Squeeze", capacity), b.i64(1))
+    filled = b.op("GreaterOrEqual", "pos", b.i64(0))
+    active = b.op(
+        "Reshape",
+        b.op("Add", b.op("ReduceMax", b.op("Where", filled, slot_index, b.i64(-1)), keepdims=0), b.i64(1)),
+        b.i64([1]),
     )
+
+    def active_slots(name: str | None) -> str | None:
+        return None if name is None else b.op("Slice", name, b.i64([0]), active, b.i64([2]))
+
+    old_k = _dequantize(b, active_slots(names["k_cache"]), active_slots(names.get("k_scale")), compression)
+    old_v = _dequantize(b, active_slots(names["v_cache"]), active_slots(names.get("v_scale")), compression)
+    # the G query heads of each KV head as rows: [B,Hkv,G,D]
+    queries = b.op("Reshape", "q", b.op("Concat", b.i64([0]), kv_heads, b.i64([-1]), head_dim, axis=0))
+    scores_old = b.op("MatMul", queries, b.op("Transpose", old_k, perm=[0, 1, 3, 2]))  # [B,Hkv,G,A]
+    scores_new = b.op("MatMul", queries, b.op("Transpose", "k", perm=[0, 1, 3, 2]))  # [B,Hkv,G,1]
+    # every filled slot is in the past of the one query; a sliding window still bounds it from below
+    position = b.op("Unsqueeze", "position_ids", b.i64([1]))  # [B,1,1]
+    old_pos = active_slots("pos")
+    has_window = b.op("Greater", window_attr, b.i64(0))
+    span = b.op("Where", has_window, window_attr, b.i64(HUGE))
+    lowest = b.op("Max", b.op("Sub", position, b.op("Sub", span, b.i64(1))), b.i64(0))
+    visible = b.op("Unsqueeze", b.op("GreaterOrEqual", old_pos, lowest), b.i64([2]))  # [B,Hkv,1,A]
+    masked_old = b.op("Where", visible, scores_old, b.f32(float("-inf")))
+    probs = b.op("Softmax", b.op("Mul", b.op("Concat", masked_old, scores_new, axis=-1), scale_attr), axis=-1)
+    probs_old = b.op("Slice", probs, b.i64([0]), active, b.i64([-1]))
+    probs_new = b.op("Slice", probs, active, b.i64([HUGE]), b.i64([-1]))  # [B,Hkv,G,1]
+    context = b.op("Add", b.op("MatMul", probs_old, old_v), b.op("Mul", probs_new, "v"))  # [B,Hkv,G,D]
+    out = b.op("Reshape", context, b.op("Concat", b.i64([0, 1]), b.shape("q", 1), head_dim, axis=0))  # [B,1,H,D]
+
+    # scores of every candidate (C slots + the token) from this step's attention
+    stats = {}
+    if policy.needs:
+        total = b.op("ReduceSum", probs, b.i64([2]), keepdims=0)  # [B,Hkv,A+1]
+        gap = b.op("Concat", b.i64([0, 0, 0, 0, 0]), b.op("Sub", capacity, active), axis=0)
+        old_part = b.op("Pad", b.op("Slice", total, b.i64([0]), active, b.i64([-1])), gap, b.f32(0.0))
+        total = b.op("Concat", old_part, b.op("Slice", total, active, b.i64([HUGE]), b.i64([-1])), axis=-1)
+        stats = {"total": total, "observed": total}  # one query: it is the whole observation window
+        if "last" in policy.needs:
+            group_size = b.op("Cast", b.op("Div", b.shape("q", 1), kv_heads), to=TensorProto.FLOAT)
+            stats["last"] = b.op("Div", total, group_size)
+    new_pos = b.op("Unsqueeze", "position_ids", b.i64([1]))  # [B,1,1] — broadcast over heads where needed
+    new_pos = b.op("Expand", new_pos, b.op("Concat", b.op("Shape", "k", end=2), b.i64([1]), axis=0))  # [B,Hkv,1]
+    key_pos = b.op("Concat", "pos", new_pos, axis=2)
+    updated = policy.update_onnx(b, "score", stats, key_pos, None)
+    inf = b.f32(float("inf"))
+    old_protected = b.op("And", b.op("IsInf", "score", detect_negative=0), filled)
+    protected = b.op(
+        "Concat",
+        old_protected,
+        b.op("Expand", b.op("Unsqueeze", "protect", b.i64([1])), b.op("Shape", new_pos)),
+        axis=2,
+    )
+    score_all = b.op("Where", protected, inf, updated)
+    score_old = b.op("Slice", score_all, b.i64([0]), capacity, b.i64([-1]))
+    score_new = b.op("Slice", score_all, capacity, b.i64([HUGE]), b.i64([-1]))
+    # the weakest slot takes the token (which, inside the recent window, is always kept)
+    forced = _forced(b, "pos", position, old_protected, compression)
+    keep_old = b.op("Where", filled, b.op("Where", forced, inf, score_old), b.f32(float("-inf")))
+    weakest = b.op("ArgMin", keep_old, axis=-1, keepdims=1)  # [B,Hkv,1]
+    not_before_out = b.op(
+        "Neg", b.op("Cast", b.op("IsNaN", b.op("ReduceMax", context, keepdims=0)), to=TensorProto.INT64)
+    )
+    weakest_after_out = b.op("Max", weakest, not_before_out)  # see _general: v is read by the output only
+    k_stored, k_scale = _quantize(b, "k", compression)
+    v_stored, v_scale = _quantize(b, "v", compression)
+    arriving = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale, "v_scale": v_scale}
+    arriving |= {"pos": new_pos, "score": score_new}
+    current = dict(names) | {"score": score_old}
+    written = {}
+    for name in state_names(compression):
+        slots = weakest_after_out if name in ("v_cache", "v_scale") else weakest
+        if name not in ("score", "pos"):  # one slot index for all channels of the arriving row
+            slots = b.op("Expand", b.op("Unsqueeze", slots, b.i64([-1])), b.op("Shape", arriving[name]))
+        written[name] = b.op("ScatterElements", current[name], slots, arriving[name], axis=2)
+    if policy.prunes:
+        replace = b.op("Expand", b.boolean(True), b.op("Shape", weakest))
+        written["pos"] = _prune(b, policy, written, weakest, replace, position, compression)
+    return {"out": out} | {f"{name}_out": value for name, value in written.items()}
 
 
 def _index_order(b: Body, indices: str, replace: str, tail: str, count: str) -> str:

@@ -7,12 +7,14 @@ from onnx import TensorProto, helper
 
 
 class Body:
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix  # keeps the names of sibling subgraphs (If branches) apart
         self.nodes: list[onnx.NodeProto] = []
         self._names: set[str] = set()
         self._constants: dict[tuple, str] = {}
 
     def fresh(self, hint: str) -> str:
+        hint = self.prefix + hint
         name, count = hint, 0
         while name in self._names:
             count += 1

@@ -29,8 +29,9 @@ class Policy(Protocol):
     def update(self, score: np.ndarray, stats: dict[str, np.ndarray], key_pos: np.ndarray, new: int) -> np.ndarray:
         """score [B,Hkv,C] float32 (the state) → scores of all C + new candidates [B,Hkv,C+new]."""
 
-    def update_onnx(self, body: Body, score: str, stats: dict[str, str], key_pos: str, new: str) -> str:
-        """The same in graph nodes; ``new`` names an int64 scalar tensor (T); returns the result's name."""
+    def update_onnx(self, body: Body, score: str, stats: dict[str, str], key_pos: str, new: str | None) -> str:
+        """The same in graph nodes; ``new`` names an int64 tensor holding T, or is None in the one-token
+        decode branch (T = 1 known when the graph is written); returns the result's name."""
 
 
 def accumulate(score: np.ndarray, received: np.ndarray, decay: float) -> np.ndarray:

@@ -34,6 +34,8 @@ def update(score, stats, key_pos, new):
 
 def update_onnx(body, score, stats, key_pos, new) -> str:
     decode = accumulate_onnx(body, score, stats["total"], DECAY)
+    if new is None:  # the decode branch: one token, no prompt to observe
+        return decode
     observed = stats["observed"]
     capacity = body.shape(score, -1)
     old_part = body.op("Slice", observed, body.i64([0]), capacity, body.i64([-1]))
