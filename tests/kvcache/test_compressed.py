@@ -163,3 +163,12 @@ def test_capacity_above_context_equals_uncompressed_cache(dtype):
             np.testing.assert_allclose(out, plain_out, atol=1e-6, rtol=0)
         else:  # only earlier tokens are quantized: int8 keeps attention within a few 1e-3
             np.testing.assert_allclose(out, plain_out, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8", "fp8", "int4"])
+def test_decode_from_an_empty_cache(dtype):
+    """One-token steps from the very first token (no filled slot yet), then past capacity."""
+    compression = Compression(capacity=8, sink=1, window=2, policy="snapkv", dtype=dtype, group=8, observe=3)
+    sess = _session(compressed_model(4, 2, 16, 8, compression, scale=0.25))
+    steps = [(0, 1), (1, 1), (2, 3), *[(p, 1) for p in range(5, 14)]]
+    _run(sess, compression, 4, 2, 16, 8, steps, seed=3, in_place=True)
