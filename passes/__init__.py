@@ -10,6 +10,7 @@ from collections.abc import Callable
 import onnx_ir as ir
 
 from edgec.errors import BuildSettingsError
+from edgec.passes.expand_function_ops import expand_function_ops
 from edgec.passes.float16 import float16
 from edgec.passes.fuse_projections import fuse_projections
 from edgec.passes.inline_functions import inline_functions
@@ -22,6 +23,7 @@ from edgec.passes.static_shapes import static_shapes
 from edgec.passes.transposed_weight_gemm import transposed_weight_gemm
 
 PASSES: dict[str, Callable[[ir.Model], int]] = {
+    "expand_function_ops": expand_function_ops,
     "float16": float16,
     "fuse_projections": fuse_projections,
     "inline_functions": inline_functions,
