@@ -114,6 +114,11 @@ def pass_plan(
             "accuracy_level": settings.accuracy_level,
         }
     if compression is not None:
+        if target.static_shapes:  # its slot count is a symbolic dim, and its prompt-end selection runs in numpy
+            raise BuildSettingsError(
+                f"the compressed cache (--kv-*) does not build for {target.name} yet: it needs static shapes; "
+                "use the plain cache (--context) there"
+            )
         if not target.runtime.startswith("ort-"):
             raise BuildSettingsError(
                 f"the compressed cache (--kv-*) builds for ONNX Runtime targets; {target.name} runs "

@@ -80,3 +80,11 @@ def test_fp16_ascend_310p_matches_greedy(tiny_llama, tiny_bundle, tmp_path):
 def test_without_the_cann_provider_it_names_the_extra(ascend_bundle):
     with pytest.raises(BundleError, match=r"CANNExecutionProvider.*pip install 'edgec\[cann\]'"):
         Model.load(ascend_bundle)
+
+
+def test_compressed_cache_is_refused_before_any_work(tiny_llama, tmp_path):
+    from edgec.errors import BuildSettingsError
+
+    with pytest.raises(BuildSettingsError, match="static shapes"):
+        build(tiny_llama, tmp_path / "x", BuildSettings(target="ascend-910b", context=128, kv_capacity=64))
+    assert not (tmp_path / "x").exists()
