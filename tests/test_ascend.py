@@ -86,5 +86,5 @@ def test_compressed_cache_is_refused_before_any_work(tiny_llama, tmp_path):
     from edgec.errors import BuildSettingsError
 
     with pytest.raises(BuildSettingsError, match="static shapes"):
-        build(tiny_llama, tmp_path / "x", BuildSettings(target="ascend-910b", context=128, kv_capacity=64))
+        build(tiny_llama, tmp_path / "x", BuildSettings(target="ascend-910b", context=128, kv_capacity=96))
     assert not (tmp_path / "x").exists()
