@@ -16,7 +16,7 @@ from edgec import __version__
 from edgec.bundle import atomic_folder, write_manifest, write_npz
 from edgec.errors import BuildSettingsError
 from edgec.kvcache.compression import Compression
-from edgec.targets import Target, load_target
+from edgec.targets import ORT_PROVIDERS, Target, load_target
 
 DEFAULT_POLICY = "snapkv"
 STAGES = ("load", "export", "save", "validate", "engine", "bundle")
@@ -74,7 +74,7 @@ def _check_settings(settings: BuildSettings) -> Target:
     if not target.buildable:
         raise BuildSettingsError(
             f"target {target.name} ({target.runtime}) can be planned for (edgec plan) but not built yet; "
-            "buildable: cpu, cpu-portable and the TensorRT-RTX GPUs (see edgec targets)"
+            "the build column of edgec targets says which are"
         )
     if settings.context is not None and settings.context < 1:
         raise BuildSettingsError(f"--context must be a positive number of tokens, got {settings.context}")
@@ -114,6 +114,11 @@ def pass_plan(
             "accuracy_level": settings.accuracy_level,
         }
     if compression is not None:
+        if target.static_shapes:  # its slot count is a symbolic dim, and its prompt-end selection runs in numpy
+            raise BuildSettingsError(
+                f"the compressed cache (--kv-*) does not build for {target.name} yet: it needs static shapes; "
+                "use the plain cache (--context) there"
+            )
         if not target.runtime.startswith("ort-"):
             raise BuildSettingsError(
                 f"the compressed cache (--kv-*) builds for ONNX Runtime targets; {target.name} runs "
@@ -220,8 +225,12 @@ def _build_into(
 
     progress("save")
     start = time.perf_counter()
+    prefill_chunk = min(context, settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)))
+    model_files = {"file": "model.onnx", "vocab_size": int(loaded.config.vocab_size)}
     ir.save(model, folder / "model.onnx", external_data="model.onnx.data")
     del model
+    if target.static_shapes:
+        model_files |= _write_static_graphs(folder, prefill_chunk)
     loaded.tokenizer.save_pretrained(folder)
     chat_format, chat_note = chat_format_from_tokenizer(loaded.tokenizer)
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
@@ -229,12 +238,14 @@ def _build_into(
 
     progress("validate")
     start = time.perf_counter()
-    prefill_chunk = min(context, settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)))
-    validation = _validate(folder, spec, prompts, reference_logits)
+    validation = _validate(folder, model_files, spec, prompts, reference_logits)
     timings["validate_s"] = time.perf_counter() - start
 
     progress("engine")
-    runtime = {"library": "onnxruntime", "min_version": "1.20", "providers": ["CPUExecutionProvider"]}
+    provider = ORT_PROVIDERS.get(target.runtime, "CPUExecutionProvider")
+    runtime = {"library": "onnxruntime", "min_version": "1.20", "providers": [provider]}
+    if target.provider_options:
+        runtime["provider_options"] = {provider: target.provider_options}
     if target.runtime == "tensorrt-rtx":
         from edgec.trt import build_engine
 
@@ -251,12 +262,7 @@ def _build_into(
         "target": target.to_json(),
         "build_settings": {**asdict(settings), "context": context, "prefill_chunk": prefill_chunk, "weights": weights},
         "runtime": runtime,
-        "model": {
-            "file": "model.onnx",
-            "vocab_size": int(loaded.config.vocab_size),
-            "num_layers": len(spec.layers),
-            "context": context,
-        },
+        "model": {**model_files, "num_layers": len(spec.layers), "context": context},
         "cache": {
             **spec.to_json(),
             "bytes_per_token": spec.bytes_per_token(),
@@ -318,11 +324,33 @@ def _generation_defaults(loaded) -> dict[str, Any]:
     return {"eos_token_ids": eos_ids, "bos_token_id": None if bos is None else int(bos)}
 
 
-def _validate(folder: Path, spec, prompts: list[list[int]], reference: list[np.ndarray]) -> dict[str, Any]:
-    """Run the saved graph on the validation prompts and compare with the source model's logits."""
-    from edgec.runtime.backend_ort import OrtStep
+def _write_static_graphs(folder: Path, tokens: int) -> dict[str, Any]:
+    """Turn the saved dynamic step graph into two fixed-shape graphs over its weights file: ``model.onnx`` for
+    prefill chunks of ``tokens`` (padded) and ``decode.onnx`` for one token. Two graphs, because one fixed size
+    would make every decode step pay for a whole chunk; one weights file, because the graphs differ only in
+    shapes (each loaded from the dynamic graph, so weights stay references into model.onnx.data, never copied).
+    """
+    import onnx_ir as ir
 
-    step = OrtStep(folder / "model.onnx", spec, len(reference[0]), providers=["CPUExecutionProvider"])
+    from edgec.passes.static_shapes import static_shapes
+
+    for name, count in (("decode.onnx", 1), ("model.onnx", tokens)):
+        graph = ir.load(folder / "model.onnx")
+        static_shapes(graph, tokens=count)
+        ir.save(graph, folder / f"{name}.tmp")
+        del graph
+    for name in ("decode.onnx", "model.onnx"):
+        (folder / f"{name}.tmp").replace(folder / name)
+    return {"decode_file": "decode.onnx", "static_tokens": tokens}
+
+
+def _validate(
+    folder: Path, model_files: dict[str, Any], spec, prompts: list[list[int]], reference: list[np.ndarray]
+) -> dict[str, Any]:
+    """Run the saved graph(s) on the validation prompts and compare with the source model's logits."""
+    from edgec.runtime.backend_ort import open_step
+
+    step = open_step(folder, model_files, spec, providers=["CPUExecutionProvider"])
     errors, agree = [], []
     for ids, expected in zip(prompts, reference, strict=True):
         step.reset()

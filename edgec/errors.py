@@ -23,3 +23,7 @@ class BundleError(EdgecError):
 
 class GenerationError(EdgecError, ValueError):
     """A runtime call got arguments it cannot honour (e.g. a prompt longer than the context)."""
+
+
+class BuildError(EdgecError):
+    """A build step could not make what the target needs from this model."""

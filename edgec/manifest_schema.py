@@ -36,8 +36,16 @@ SCHEMA_V1: dict[str, Any] = {
         "dtypes": list,
     },
     "build_settings": {"target": str, "context": int, "prefill_chunk": int},
-    "runtime": {"library": str, "min_version": str, "providers": list},
-    "model": {"file": str, "vocab_size": int, "num_layers": int, "context": int},
+    "runtime": {"library": str, "min_version": str, "providers": list, "provider_options?": dict},
+    # decode_file + static_tokens: static-shape bundles (a prefill graph of static_tokens, a one-token graph)
+    "model": {
+        "file": str,
+        "vocab_size": int,
+        "num_layers": int,
+        "context": int,
+        "decode_file?": str,
+        "static_tokens?": int,
+    },
     "cache": {
         "dtype": str,
         "positions?": bool,

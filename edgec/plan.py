@@ -113,7 +113,8 @@ class Estimate:
         return [
             (
                 "weights",
-                f"{gb(self.weights_bytes)} ({self.model.parameters() / 1e6:,.0f} M params, {self.settings.weights})",
+                f"{gb(self.weights_bytes)} ({self.model.parameters() / 1e6:,.0f} M params, {self.settings.weights}"
+                + (", one copy per static graph)" if self.target.static_shapes else ")"),
             ),
             ("KV cache", f"{gb(self.kv_bytes)} ({self.settings.capacity} slots, {self.settings.kv})"),
             ("activations", f"{gb(self.activation_bytes)} (prefill chunk {self.settings.prefill_chunk})"),
@@ -123,7 +124,10 @@ class Estimate:
 
 
 def estimate(model: ModelShape, target: Target, settings: Settings, concessions: tuple[str, ...] = ()) -> Estimate:
-    weights = int(model.parameters() * WEIGHT_BYTES[settings.weights])
+    # a static-shape target runs two graphs (prefill chunk, decode step) in two sessions, each holding its own
+    # device copy of the weights; and its prefill graph computes logits for every row of the chunk
+    copies = 2 if target.static_shapes else 1
+    weights = int(model.parameters() * WEIGHT_BYTES[settings.weights]) * copies
     compressed = settings.capacity_fraction < 1 or settings.kv in ("int8", "int4", "fp8")
     per_slot = (
         model.layers
@@ -135,7 +139,7 @@ def estimate(model: ModelShape, target: Target, settings: Settings, concessions:
     chunk = settings.prefill_chunk
     # one layer's transients during a prefill chunk (hidden states, MLP, attention scores) + the logits row
     activation = compute * chunk * (8 * model.hidden + 3 * model.intermediate + model.heads * settings.capacity)
-    activation += 4 * model.vocab
+    activation += 4 * model.vocab * (chunk if target.static_shapes else 1)
     return Estimate(model, target, settings, weights, kv, int(activation), concessions)
 
 

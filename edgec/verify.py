@@ -115,13 +115,15 @@ def _runtime_checks(manifest: dict, checks: list[Check]) -> None:
             f"onnxruntime {onnxruntime.__version__} (bundle needs ≥ {runtime['min_version']})",
         )
     )
+    from edgec.runtime.model import install_hint
+
     available = onnxruntime.get_available_providers()
     missing = [p for p in runtime["providers"] if p not in available]
     checks.append(
         Check(
             "execution provider",
             "fail" if missing else "pass",
-            f"missing {', '.join(missing)}" if missing else ", ".join(runtime["providers"]),
+            f"missing {', '.join(missing)}: {install_hint(runtime)}" if missing else ", ".join(runtime["providers"]),
         )
     )
     checks.append(_gpu_check(manifest["target"]))

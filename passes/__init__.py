@@ -10,21 +10,29 @@ from collections.abc import Callable
 import onnx_ir as ir
 
 from edgec.errors import BuildSettingsError
+from edgec.passes.expand_function_ops import expand_function_ops
 from edgec.passes.float16 import float16
 from edgec.passes.fuse_projections import fuse_projections
+from edgec.passes.inline_functions import inline_functions
 from edgec.passes.int4_weights import int4_weights
 from edgec.passes.kv_attention_gqa import kv_attention_gqa
 from edgec.passes.kv_cache import kv_cache
 from edgec.passes.skip_rms_norm import skip_rms_norm
+from edgec.passes.static_kv_attention import static_kv_attention
+from edgec.passes.static_shapes import static_shapes
 from edgec.passes.transposed_weight_gemm import transposed_weight_gemm
 
 PASSES: dict[str, Callable[[ir.Model], int]] = {
+    "expand_function_ops": expand_function_ops,
     "float16": float16,
     "fuse_projections": fuse_projections,
+    "inline_functions": inline_functions,
     "int4_weights": int4_weights,
     "kv_attention_gqa": kv_attention_gqa,
     "kv_cache": kv_cache,
     "skip_rms_norm": skip_rms_norm,
+    "static_kv_attention": static_kv_attention,
+    "static_shapes": static_shapes,
     "transposed_weight_gemm": transposed_weight_gemm,
 }
 

@@ -11,7 +11,14 @@ import tomllib
 from edgec.errors import BuildSettingsError
 
 RUNTIMES = ("ort-cpu", "ort-openvino", "ort-cuda", "ort-cann", "tensorrt-rtx", "tensorrt")
-BUILDABLE_RUNTIMES = ("ort-cpu", "tensorrt-rtx")  # the others are planned for (edgec plan), not yet built
+BUILDABLE_RUNTIMES = ("ort-cpu", "ort-openvino", "ort-cann", "tensorrt-rtx")  # the others: planned for, not built
+# the ONNX Runtime execution provider each ORT runtime asks for (never silently another)
+ORT_PROVIDERS = {
+    "ort-cpu": "CPUExecutionProvider",
+    "ort-openvino": "OpenVINOExecutionProvider",
+    "ort-cuda": "CUDAExecutionProvider",
+    "ort-cann": "CANNExecutionProvider",
+}
 DEVICES = ("cpu", "gpu", "npu")
 DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
 FP8_FROM = (8, 9)  # FP8 tensor cores arrive with Ada (sm89)
@@ -30,6 +37,8 @@ class Target:
     compute_capability: str | None = None
     passes: tuple[str, ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
+    static_shapes: bool = False  # two fixed-shape graphs (prefill chunk, one-token decode) instead of one dynamic
+    provider_options: dict[str, str] = field(default_factory=dict)  # for the execution provider, as ORT takes them
 
     @property
     def usable_bytes(self) -> int:
@@ -91,6 +100,8 @@ def parse_target(name: str, data: dict[str, Any]) -> Target:
             compute_capability=data.get("compute_capability"),
             passes=tuple(data.get("passes", ())),
             defaults=dict(data.get("defaults", {})),
+            static_shapes=bool(data.get("static_shapes", False)),
+            provider_options={str(k): str(v) for k, v in data.get("provider_options", {}).items()},
         )
     except KeyError as missing:
         raise BuildSettingsError(f"{where} lacks the key {missing}") from None
@@ -111,6 +122,8 @@ def parse_target(name: str, data: dict[str, Any]) -> Target:
         problems.append(f"unknown dtypes {unknown}")
     if target.device == "gpu" and not target.compute_capability:
         problems.append("a gpu target needs compute_capability")
+    if target.provider_options and target.runtime not in ORT_PROVIDERS:
+        problems.append(f"provider_options apply to ONNX Runtime targets, not {target.runtime}")
     if "fp8" in target.dtypes and capability(target) < FP8_FROM:
         problems.append(f"fp8 needs compute capability ≥ {FP8_FROM[0]}.{FP8_FROM[1]}")
     for key in ("weights", "kv"):

@@ -148,5 +148,5 @@ def test_cli_plan_targets_and_unbuildable(tiny_llama, tmp_path):
     assert wrong.exit_code == 2 and "rtx3060 has no fp8" in wrong.stderr
     unknown = runner.invoke(main, ["plan", "no-such-model", "--target", "cpu"])
     assert unknown.exit_code == 2 and "llama-2-7b" in unknown.stderr
-    npu = runner.invoke(main, ["build", str(tiny_llama), "--target", "ascend-910b", "-o", str(tmp_path / "x")])
+    npu = runner.invoke(main, ["build", str(tiny_llama), "--target", "jetson-orin", "-o", str(tmp_path / "x")])
     assert npu.exit_code == 2 and "not built yet" in npu.stderr and not (tmp_path / "x").exists()

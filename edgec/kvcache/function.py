@@ -32,15 +32,41 @@ def _scalar_i64(name: str, value: int) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [], [value]))
 
 
-def make_function(default_opset: int) -> onnx.FunctionProto:
+def make_function(default_opset: int, static: bool = False) -> onnx.FunctionProto:
     """The function body; ``default_opset`` must equal the model's default-domain opset.
 
     Every node here runs once per layer per step, so the body is kept short: static dims come from the cache
     inputs (whose shapes ONNX Runtime folds to constants), and grouped-query attention is a 5-D broadcast
     MatMul ([B,Hkv,G,T,D] × [B,Hkv,1,D,L]) rather than a repeat of K and V.
+
+    ``static=True`` is the body for runtimes that need every shape fixed (the CANN EP): it attends over all
+    ``capacity`` slots (no data-dependent slice) and accepts *padding*, tokens at position -1 that write
+    nothing (see ``_padded_scatter``).
     """
-    n = helper.make_node
-    nodes = [
+    nodes = _common_constants() + (_padded_scatter() if static else _scatter()) + _attention(static)
+    # the two attribute-valued constants read the node's attributes
+    for node in nodes:
+        if node.output[0] in ("scale_value", "window_value"):
+            kind, attribute = ("value_float", "scale") if node.output[0] == "scale_value" else ("value_int", "window")
+            del node.attribute[:]
+            ref = helper.make_attribute_ref(kind, AttributeProto.FLOAT if attribute == "scale" else AttributeProto.INT)
+            ref.ref_attr_name = attribute
+            node.attribute.append(ref)
+    window_default = helper.make_attribute("window", 0)
+    return helper.make_function(
+        DOMAIN,
+        OP_TYPE,
+        list(INPUTS),
+        list(OUTPUTS),
+        nodes,
+        opset_imports=[helper.make_opsetid("", default_opset)],
+        attributes=["scale"],
+        attribute_protos=[window_default],
+    )
+
+
+def _common_constants() -> list[onnx.NodeProto]:
+    return [
         _const_i64("i0", [0]),
         _const_i64("i1", [1]),
         _const_i64("i2", [2]),
@@ -51,8 +77,14 @@ def make_function(default_opset: int) -> onnx.FunctionProto:
         _scalar_i64("s0", 0),
         _scalar_i64("s1", 1),
         _scalar_i64("huge", 1 << 40),
+        helper.make_node("Shape", ["k_cache"], ["capacity_1d"], start=2, end=3),
+    ]
+
+
+def _scatter() -> list[onnx.NodeProto]:
+    n = helper.make_node
+    return [
         # 1. slot per new token: position mod capacity (no eviction: with capacity >= context, the position)
-        n("Shape", ["k_cache"], ["capacity_1d"], start=2, end=3),
         n("Mod", ["position_ids", "capacity_1d"], ["slot"]),  # [B,T]
         # 2. scatter k, v and positions into their slots
         n("Shape", ["k"], ["k_shape"]),  # [B,Hkv,T,D]
@@ -66,14 +98,69 @@ def make_function(default_opset: int) -> onnx.FunctionProto:
         n("Unsqueeze", ["position_ids", "i1"], ["pos_b1t"]),
         n("Expand", ["pos_b1t", "bht_shape"], ["pos_bht"]),
         n("ScatterElements", ["pos_cache", "slot_bht", "pos_bht"], ["pos_cache_out"], axis=2),
-        # 3. attend over slots [0, L) only, L = min(max query position + 1, capacity): with slot = position mod
-        #    capacity, a slot at or past max position + 1 is either empty or (before a wrap) in the future
+    ]
+
+
+def _padded_scatter() -> list[onnx.NodeProto]:
+    """Steps 1-2 for fixed-size chunks: a token at a negative position is padding and must leave the cache as it
+    was. Each pad gets its own slot right after the chunk's real tokens (max position + its rank among the pads,
+    mod capacity; a chunk is never longer than the capacity, so no pad shares a slot with a real token or
+    another pad) and writes back what that slot already held. Duplicate scatter indices, whose result ONNX
+    leaves undefined, never occur; and the cache inputs are still read (GatherElements) before they are
+    written, so binding each cache input and output to one buffer stays correct."""
+    n = helper.make_node
+    return [
+        n("Less", ["position_ids", "s0"], ["is_pad"]),  # [B,T]
+        n("Cast", ["is_pad"], ["pad_count"], to=TensorProto.INT64),
+        n("CumSum", ["pad_count", "s1"], ["pad_rank"]),  # 1, 2, ... along the pads
         n("ReduceMax", ["position_ids"], ["max_position"], keepdims=0),
-        n("Add", ["max_position", "s1"], ["after_max"]),
-        n("Min", ["after_max", "capacity_1d"], ["active"]),  # [1]
-        n("Slice", ["k_cache_out", "i0", "active", "i2"], ["k_active"]),
-        n("Slice", ["v_cache_out", "i0", "active", "i2"], ["v_active"]),
-        n("Slice", ["pos_cache_out", "i0", "active", "i2"], ["pos_active"]),
+        n("Add", ["max_position", "pad_rank"], ["pad_position"]),
+        n("Where", ["is_pad", "pad_position", "position_ids"], ["write_position"]),
+        n("Mod", ["write_position", "capacity_1d"], ["slot"]),  # [B,T]
+        n("Shape", ["k"], ["k_shape"]),  # [B,Hkv,T,D]
+        n("Unsqueeze", ["slot", "axes_1_3"], ["slot_b1t1"]),
+        n("Expand", ["slot_b1t1", "k_shape"], ["slot_bhtd"]),
+        n("Unsqueeze", ["is_pad", "axes_1_3"], ["pad_b1t1"]),
+        n("GatherElements", ["k_cache", "slot_bhtd"], ["k_kept"], axis=2),
+        n("GatherElements", ["v_cache", "slot_bhtd"], ["v_kept"], axis=2),
+        n("Where", ["pad_b1t1", "k_kept", "k"], ["k_written"]),
+        n("Where", ["pad_b1t1", "v_kept", "v"], ["v_written"]),
+        n("ScatterElements", ["k_cache", "slot_bhtd", "k_written"], ["k_cache_out"], axis=2),
+        n("ScatterElements", ["v_cache", "slot_bhtd", "v_written"], ["v_cache_out"], axis=2),
+        n("Shape", ["k"], ["bht_shape"], end=3),
+        n("Unsqueeze", ["slot", "i1"], ["slot_b1t"]),
+        n("Expand", ["slot_b1t", "bht_shape"], ["slot_bht"]),
+        n("Unsqueeze", ["position_ids", "i1"], ["pos_b1t"]),
+        n("Expand", ["pos_b1t", "bht_shape"], ["pos_bht"]),
+        n("Unsqueeze", ["is_pad", "i1"], ["pad_b1t"]),
+        n("GatherElements", ["pos_cache", "slot_bht"], ["pos_kept"], axis=2),
+        n("Where", ["pad_b1t", "pos_kept", "pos_bht"], ["pos_written"]),
+        n("ScatterElements", ["pos_cache", "slot_bht", "pos_written"], ["pos_cache_out"], axis=2),
+    ]
+
+
+def _attention(static: bool) -> list[onnx.NodeProto]:
+    n = helper.make_node
+    if static:  # every slot, masked: no shape depends on the data
+        active = [
+            n("Identity", ["k_cache_out"], ["k_active"]),
+            n("Identity", ["v_cache_out"], ["v_active"]),
+            n("Identity", ["pos_cache_out"], ["pos_active"]),
+        ]
+    else:
+        active = [
+            # 3. attend over slots [0, L) only, L = min(max query position + 1, capacity): with slot = position
+            #    mod capacity, a slot at or past max position + 1 is either empty or (before a wrap) in the future
+            n("ReduceMax", ["position_ids"], ["max_position"], keepdims=0),
+            n("Add", ["max_position", "s1"], ["after_max"]),
+            n("Min", ["after_max", "capacity_1d"], ["active"]),  # [1]
+            n("Slice", ["k_cache_out", "i0", "active", "i2"], ["k_active"]),
+            n("Slice", ["v_cache_out", "i0", "active", "i2"], ["v_active"]),
+            n("Slice", ["pos_cache_out", "i0", "active", "i2"], ["pos_active"]),
+        ]
+    # a pad's query sees no slot: a finite floor (the fp16 minimum) instead of -inf keeps its softmax finite
+    floor = -65504.0 if static else float("-inf")
+    return active + [
         # grouped-query attention in 5-D: q [B,H,T,D] -> [B,Hkv,G,T,D]; heads are kv-major as in repeat_kv
         n("Shape", ["k"], ["kv_heads_1d"], start=1, end=2),
         n("Shape", ["q"], ["t_d"], start=2),
@@ -99,7 +186,7 @@ def make_function(default_opset: int) -> onnx.FunctionProto:
         n("GreaterOrEqual", ["key_pos", "lowest"], ["key_recent"]),
         n("LessOrEqual", ["key_pos", "query_pos"], ["key_not_future"]),
         n("And", ["key_recent", "key_not_future"], ["valid"]),
-        n("Constant", [], ["neg_inf"], value_float=float("-inf")),
+        n("Constant", [], ["neg_inf"], value_float=floor),
         n("CastLike", ["neg_inf", "scores"], ["neg_inf_typed"]),
         n("Where", ["valid", "scores", "neg_inf_typed"], ["masked_scores"]),
         n("Softmax", ["masked_scores"], ["probs"], axis=-1),
@@ -108,25 +195,6 @@ def make_function(default_opset: int) -> onnx.FunctionProto:
         n("Reshape", ["out_grouped", "q_shape"], ["out_bhtd"]),
         n("Transpose", ["out_bhtd"], ["out"], perm=[0, 2, 1, 3]),  # [B,T,H,D]
     ]
-    # the two attribute-valued constants read the node's attributes
-    for node in nodes:
-        if node.output[0] in ("scale_value", "window_value"):
-            kind, attribute = ("value_float", "scale") if node.output[0] == "scale_value" else ("value_int", "window")
-            del node.attribute[:]
-            ref = helper.make_attribute_ref(kind, AttributeProto.FLOAT if attribute == "scale" else AttributeProto.INT)
-            ref.ref_attr_name = attribute
-            node.attribute.append(ref)
-    window_default = helper.make_attribute("window", 0)
-    return helper.make_function(
-        DOMAIN,
-        OP_TYPE,
-        list(INPUTS),
-        list(OUTPUTS),
-        nodes,
-        opset_imports=[helper.make_opsetid("", default_opset)],
-        attributes=["scale"],
-        attribute_protos=[window_default],
-    )
 
 
 def make_schema() -> onnx.defs.OpSchema:

@@ -12,11 +12,17 @@ logits live in numpy buffers bound once; a step writes a few numbers and reads t
 A compressed cache whose settings say ``prefill_compress = end`` reads a prompt longer than its capacity into
 a larger, temporary state (the graph's slot count is symbolic) and then keeps the best ``capacity`` slots
 per head (``reference.select_slots``) — once per prompt, not per token.
+
+Static-shape bundles (the CANN targets) hold two graphs over one weights file: ``model.onnx`` takes a chunk of
+exactly ``static_tokens`` tokens, ``decode.onnx`` one token. ``StaticOrtStep`` pads every chunk with tokens at
+position -1 (the graph makes them write nothing) and binds one set of cache buffers to both sessions.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -37,17 +43,27 @@ class OrtStep:
         vocab_size: int,
         providers: list[str] | None = None,
         threads: int | None = None,
+        provider_options: dict[str, dict[str, str]] | None = None,
+        shared_state: list[StateEntry] | None = None,
     ) -> None:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
         if threads:
             options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(model_path), options, providers=providers or ["CPUExecutionProvider"])
+        providers = providers or ["CPUExecutionProvider"]
+        per_provider = [(provider_options or {}).get(name, {}) for name in providers]
+        self.session = ort.InferenceSession(
+            str(model_path), options, providers=providers, provider_options=per_provider
+        )
+        if note := cpu_fallback_note(self.session, providers[0], model_path.name):
+            logging.getLogger("edgec.runtime").warning(note)  # shown by default; an embedding program may route it
         self.spec = spec
         self.compression = spec.compression
         self._graph_inputs = {value.name for value in self.session.get_inputs()}
         self._protected = "protect" in self._graph_inputs
-        self._state = self._allocate(None)
+        # a second graph over the same cache (static-shape bundles) binds the same buffers
+        self._state = shared_state if shared_state is not None else self._allocate(None)
         self._active = self._state  # the state multi-token steps run on (a larger one while reading a prompt)
         # one-token step buffers, bound once
         self._token = np.zeros((1, 1), np.int64)
@@ -74,6 +90,11 @@ class OrtStep:
                 entries.append((input_name, output_name, array, ort.OrtValue.ortvalue_from_numpy(array)))
         return entries
 
+    @property
+    def providers(self) -> list[str]:
+        """The execution providers this session runs on, in ONNX Runtime's order."""
+        return self.session.get_providers()
+
     def _binding(self, state, ids, positions, index, protect, logits) -> ort.IOBinding:
         binding = self.session.io_binding()
         for input_name, output_name, _, value in state:
@@ -82,6 +103,8 @@ class OrtStep:
         feeds = {"input_ids": ids, "position_ids": positions, "logits_index": index}
         if self._protected:
             feeds["protect"] = protect
+        # the binding holds only the native values: the numpy buffers they wrap must outlive it, so it keeps them
+        binding.keep_alive = [*feeds.values(), logits]
         for name, array in feeds.items():
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
         binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
@@ -134,9 +157,89 @@ class OrtStep:
             self.session.run_with_iobinding(self._decode)
             return self._logits[0]
         index = np.array([count - 1], np.int64) if last_only else np.arange(count, dtype=np.int64)
+        positions = np.arange(start, start + count, dtype=np.int64)
+        return self.run_positions(ids, positions, index, protect)
+
+    def run_positions(
+        self, ids: np.ndarray, positions: np.ndarray, index: np.ndarray, protect: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Feed ``ids`` at explicit ``positions`` (-1 = padding, static graphs only); logits [len(index), V]."""
+        count = len(ids)
         logits = np.empty((1, len(index), self._logits.shape[-1]), self._logits_dtype)
-        positions = np.arange(start, start + count, dtype=np.int64).reshape(1, count)
         flags = np.zeros((1, count), bool) if protect is None else np.asarray(protect, bool).reshape(1, count)
         ids = np.ascontiguousarray(ids, np.int64).reshape(1, count)
+        positions = np.ascontiguousarray(positions, np.int64).reshape(1, count)
+        index = np.ascontiguousarray(index, np.int64)
         self.session.run_with_iobinding(self._binding(self._active, ids, positions, index, flags, logits))
         return logits[0]
+
+
+class StaticOrtStep:
+    """Same interface as OrtStep, over a static-shape bundle's two graphs: ``decode`` for one token, ``prefill`` for
+    chunks padded to ``tokens``. (Static targets keep an uncompressed cache: no prompt-end selection here.)"""
+
+    def __init__(self, prefill: OrtStep, decode: OrtStep, tokens: int) -> None:
+        self.prefill, self.decode, self.tokens = prefill, decode, tokens
+
+    @property
+    def providers(self) -> list[str]:
+        return self.prefill.providers
+
+    def reset(self) -> None:
+        self.decode.reset()  # the cache buffers are shared: one reset empties both
+
+    def begin_prompt(self, length: int) -> None:
+        pass
+
+    def end_prompt(self, newest: int) -> None:
+        pass
+
+    def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:
+        if len(ids) == 1:
+            return self.decode.run(ids, start, last_only)
+        pieces = []
+        for offset in range(0, len(ids), self.tokens):
+            real = ids[offset : offset + self.tokens]
+            count = len(real)
+            padded = np.zeros(self.tokens, np.int64)
+            padded[:count] = real
+            positions = np.full(self.tokens, -1, np.int64)
+            positions[:count] = np.arange(start + offset, start + offset + count)
+            # every row's logits are computed (the graph's shape is fixed); pads repeat the last real row
+            index = np.minimum(np.arange(self.tokens, dtype=np.int64), count - 1)
+            pieces.append(self.prefill.run_positions(padded, positions, index)[:count])
+        logits = np.concatenate(pieces)
+        return logits[-1:] if last_only else logits
+
+
+def open_step(
+    folder: Path,
+    model: dict[str, Any],
+    spec: CacheSpec,
+    providers: list[str],
+    provider_options: dict[str, dict[str, str]] | None = None,
+    threads: int | None = None,
+) -> OrtStep | StaticOrtStep:
+    """The step for a bundle's ``model`` section (its manifest entry): one dynamic graph, or two static ones."""
+    vocab = int(model["vocab_size"])
+    first = OrtStep(folder / model["file"], spec, vocab, providers, threads, provider_options)
+    if "decode_file" not in model:
+        return first
+    decode = OrtStep(folder / model["decode_file"], spec, vocab, providers, threads, provider_options, first._state)
+    return StaticOrtStep(first, decode, int(model["static_tokens"]))
+
+
+def cpu_fallback_note(session: ort.InferenceSession, provider: str, graph: str) -> str | None:
+    """One line when ``provider`` (not the CPU) left nodes of ``graph`` to ONNX Runtime's CPU provider, naming the
+    op types; None when it took every node or the installed ONNX Runtime cannot say (< 1.23)."""
+    if provider == "CPUExecutionProvider" or not hasattr(session, "get_provider_graph_assignment_info"):
+        return None
+    on_cpu: dict[str, int] = {}
+    for subgraph in session.get_provider_graph_assignment_info():
+        if subgraph.ep_name == "CPUExecutionProvider":
+            for node in subgraph.get_nodes():
+                on_cpu[node.op_type] = on_cpu.get(node.op_type, 0) + 1
+    if not on_cpu:
+        return None
+    kinds = ", ".join(f"{op} ×{count}" for op, count in sorted(on_cpu.items(), key=lambda item: -item[1]))
+    return f"note: {provider} left {sum(on_cpu.values())} node(s) of {graph} to the CPU ({kinds})"

@@ -38,6 +38,7 @@ class Model:
         threads: int | None = None,
         kv_capacity: int | None = None,
         prefill_compress: str | None = None,
+        providers: list[str] | None = None,
     ) -> None:
         self.path = path
         self.manifest = manifest
@@ -52,7 +53,7 @@ class Model:
             ChatFormat.from_json(chat) if chat else None,
             manifest["tokenizer"].get("chat_note", ""),
         )
-        self._step = _backend(path, manifest, self.cache_spec, self.vocab_size, threads)
+        self._step = _backend(path, manifest, self.cache_spec, self.vocab_size, threads, providers)
 
     @classmethod
     def load(
@@ -62,16 +63,19 @@ class Model:
         check_hashes: bool = False,
         kv_capacity: int | None = None,
         prefill_compress: str | None = None,
+        providers: list[str] | None = None,
     ) -> Model:
         """Open a bundle folder. File presence and sizes are always checked; ``check_hashes`` also checks every
         sha256 (slower: reads every byte). For a compressed cache, ``kv_capacity`` changes its slot count (the
         graph takes any: fewer slots trade quality for memory without a rebuild) and ``prefill_compress``
-        (``end``/``chunk``) how long prompts are read; both default to the manifest's."""
+        (``end``/``chunk``) how long prompts are read; both default to the manifest's. ``providers`` overrides
+        the ONNX Runtime execution providers the bundle names (for testing a lowering on another provider, e.g.
+        a CANN bundle on the CPU)."""
         path = Path(path)
         manifest = read_manifest(path)
         if check_hashes and (bad := verify_hashes(path, manifest)):
             raise BundleError(f"{', '.join(bad)} in {path} differ from the manifest (sha256): damaged or tampered")
-        return cls(path, manifest, threads, kv_capacity, prefill_compress)
+        return cls(path, manifest, threads, kv_capacity, prefill_compress, providers)
 
     # --- prompts -----------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -316,28 +320,43 @@ PROVIDER_EXTRAS = {
 }
 
 
-def _backend(path: Path, manifest: dict[str, Any], spec: CacheSpec, vocab_size: int, threads: int | None):
+def _backend(
+    path: Path,
+    manifest: dict[str, Any],
+    spec: CacheSpec,
+    vocab_size: int,
+    threads: int | None,
+    providers: list[str] | None = None,
+):
     """The backend the manifest names; a missing library or provider is an error naming the extra — never a
-    silent fallback to another device."""
+    silent fallback to another device. ``providers`` (an explicit override) replaces the manifest's."""
     runtime = manifest["runtime"]
     if runtime["library"] == "tensorrt_rtx":
         from edgec.runtime.backend_trt import TrtStep
 
         max_tokens = runtime.get("max_tokens_per_step", manifest["build_settings"]["prefill_chunk"])
         return TrtStep(path / runtime["engine"], spec, vocab_size, max_tokens)
-    import onnxruntime
+    try:
+        import onnxruntime
+    except ImportError:
+        raise BundleError(f"this bundle runs on ONNX Runtime: {install_hint(runtime)}") from None
 
-    from edgec.runtime.backend_ort import OrtStep
+    from edgec.runtime.backend_ort import open_step
 
-    providers = runtime.get("providers") or ["CPUExecutionProvider"]
+    providers = providers or runtime.get("providers") or ["CPUExecutionProvider"]
     missing = [p for p in providers if p not in onnxruntime.get_available_providers()]
     if missing:
-        extra = PROVIDER_EXTRAS.get(missing[0], "runtime")
         raise BundleError(
             f"this bundle needs ONNX Runtime's {missing[0]}, which is not installed here: "
-            f"pip install 'edgec[{extra}]' (on a machine with that device)"
+            f"{install_hint({'providers': missing})} (on a machine with that device)"
         )
-    return OrtStep(path / manifest["model"]["file"], spec, vocab_size, providers=providers, threads=threads)
+    return open_step(path, manifest["model"], spec, providers, runtime.get("provider_options"), threads)
+
+
+def install_hint(runtime: dict[str, Any]) -> str:
+    """The pip command that installs what a bundle's runtime section asks for."""
+    extra = PROVIDER_EXTRAS.get((runtime.get("providers") or ["CPUExecutionProvider"])[0], "runtime")
+    return f"pip install 'edgec[{extra}]'"
 
 
 def _check_sampling(max_new_tokens, temperature, top_k, top_p, seed) -> None:

@@ -11,7 +11,9 @@ from onnx import TensorProto, helper
 from edgec.kvcache import function
 
 
-def kv_attention_model(heads: int, kv_heads: int, head_dim: int, capacity: int, scale: float, window: int = 0):
+def kv_attention_model(
+    heads: int, kv_heads: int, head_dim: int, capacity: int, scale: float, window: int = 0, static: bool = False
+):
     node = helper.make_node(
         function.OP_TYPE,
         list(function.INPUTS),
@@ -40,7 +42,7 @@ def kv_attention_model(heads: int, kv_heads: int, head_dim: int, capacity: int, 
     return helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(function.DOMAIN, 1)],
-        functions=[function.make_function(23)],
+        functions=[function.make_function(23, static=static)],
     )
 
 

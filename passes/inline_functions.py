@@ -1,0 +1,17 @@
+"""Inline every model-local function, leaving standard-domain ops only (for runtimes that reject unknown
+domains, such as the CANN EP). onnx-ir's InlinePass, because ``onnx.inliner`` mishandles attribute defaults
+inside a function (KVAttention's ``window``)."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common
+
+
+def inline_functions(model: ir.Model) -> int:
+    """Inline in place; returns how many call sites were inlined."""
+    functions = {key for key in model.functions}
+    calls = sum((node.domain, node.op_type, node.overload) in functions for node in model.graph)
+    common.InlinePass()(model)
+    common.RemoveUnusedOpsetsPass()(model)
+    return calls
