@@ -86,51 +86,6 @@ def _dequantize(b: Body, stored: str, scale: str | None, compression: Compressio
     return _scale_groups(b, unpacked, scale, group)
 
 
-def _raw_values(b: Body, stored: str, compression: Compression) -> str:
-    """Stored quantized values as float32 before scaling, [B,Hkv,A,D]."""
-    if compression.dtype == "int8":
-        return b.op("Cast", stored, to=TensorProto.FLOAT)
-    if compression.dtype == "fp8":
-        table = b.op("Constant", value=_fp8_table(), name="fp8_table")
-        return b.op("Gather", table, b.op("Cast", stored, to=TensorProto.INT32))
-    low = b.op("BitwiseAnd", stored, b.u8(15))
-    high = b.op("BitShift", stored, b.u8(4), direction="RIGHT")
-    axis = b.i64([-1])
-    pairs = b.op("Concat", b.op("Unsqueeze", low, axis), b.op("Unsqueeze", high, axis), axis=-1)
-    shape = b.op("Concat", b.op("Shape", stored, end=3), b.op("Mul", b.op("Shape", stored, start=3), b.i64(2)), axis=0)
-    return b.op("Sub", b.op("Cast", b.op("Reshape", pairs, shape), to=TensorProto.FLOAT), b.f32(8.0))
-
-
-def _split_groups(b: Body, x: str, group: int) -> str:
-    """[B,Hkv,N,D] → [B,Hkv,N,D/G,G] with explicit sizes (N may be 0)."""
-    groups = b.op("Div", b.op("Shape", x, start=3), b.i64(group))
-    return b.op("Reshape", x, b.op("Concat", b.op("Shape", x, end=3), groups, b.i64([group]), axis=0))
-
-
-def _grouped_scores(b: Body, queries: str, stored: str, scale: str, compression: Compression) -> str:
-    """q · k for quantized slots with each group's scale applied to the partial products:
-    Σ_g scale[a,g] · (q_g · k_int[a,g]) — [B,Hkv,R,A] for queries [B,Hkv,R,D], a few rows at decode."""
-    group = compression.group
-    keys = _split_groups(b, _raw_values(b, stored, compression), group)  # [B,Hkv,A,n,G]
-    keys = b.op("Transpose", keys, perm=[0, 1, 3, 4, 2])  # [B,Hkv,n,G,A]
-    rows = b.op("Transpose", _split_groups(b, queries, group), perm=[0, 1, 3, 2, 4])  # [B,Hkv,n,R,G]
-    partial = b.op("MatMul", rows, keys)  # [B,Hkv,n,R,A]
-    scales = b.op("Unsqueeze", b.op("Transpose", scale, perm=[0, 1, 3, 2]), b.i64([3]))  # [B,Hkv,n,1,A]
-    return b.op("ReduceSum", b.op("Mul", partial, scales), b.i64([2]), keepdims=0)
-
-
-def _grouped_context(b: Body, probs: str, stored: str, scale: str, compression: Compression) -> str:
-    """probs @ v for quantized slots, the scales folded into the probabilities per channel group:
-    out[:, g] = (p ⊙ scale[:, g]) @ v_int[:, g] — [B,Hkv,R,D] for probs [B,Hkv,R,A]."""
-    group = compression.group
-    values = b.op("Transpose", _split_groups(b, _raw_values(b, stored, compression), group), perm=[0, 1, 3, 2, 4])
-    scales = b.op("Unsqueeze", b.op("Transpose", scale, perm=[0, 1, 3, 2]), b.i64([3]))  # [B,Hkv,n,1,A]
-    weighted = b.op("Mul", b.op("Unsqueeze", probs, b.i64([2])), scales)  # [B,Hkv,n,R,A]
-    grouped = b.op("MatMul", weighted, values)  # [B,Hkv,n,R,G]
-    merged = b.op("Transpose", grouped, perm=[0, 1, 3, 2, 4])  # [B,Hkv,R,n,G]
-    return b.op("Reshape", merged, b.op("Concat", b.op("Shape", probs, end=3), b.i64([-1]), axis=0))
-
-
 def _scale_groups(b: Body, values: str, scale: str, group: int) -> str:
     """values [B,Hkv,N,D] × scale [B,Hkv,N,D/G] per group of G channels."""
     groups = b.op("Div", b.op("Shape", values, start=3), b.i64(group))
@@ -370,14 +325,11 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
     def active_slots(name: str | None) -> str | None:
         return None if name is None else b.op("Slice", name, b.i64([0]), active, b.i64([2]))
 
+    old_k = _dequantize(b, active_slots(names["k_cache"]), active_slots(names.get("k_scale")), compression)
+    old_v = _dequantize(b, active_slots(names["v_cache"]), active_slots(names.get("v_scale")), compression)
     # the G query heads of each KV head as rows: [B,Hkv,G,D]
     queries = b.op("Reshape", "q", b.op("Concat", b.i64([0]), kv_heads, b.i64([-1]), head_dim, axis=0))
-    if compression.quantized:  # scales applied to the few score rows, not to every cached value
-        k_scale, v_scale = active_slots(names["k_scale"]), active_slots(names["v_scale"])
-        scores_old = _grouped_scores(b, queries, active_slots(names["k_cache"]), k_scale, compression)
-    else:
-        old_k = _dequantize(b, active_slots(names["k_cache"]), None, compression)
-        scores_old = b.op("MatMul", queries, b.op("Transpose", old_k, perm=[0, 1, 3, 2]))  # [B,Hkv,G,A]
+    scores_old = b.op("MatMul", queries, b.op("Transpose", old_k, perm=[0, 1, 3, 2]))  # [B,Hkv,G,A]
     scores_new = b.op("MatMul", queries, b.op("Transpose", "k", perm=[0, 1, 3, 2]))  # [B,Hkv,G,1]
     # every filled slot is in the past of the one query; a sliding window still bounds it from below
     position = b.op("Unsqueeze", "position_ids", b.i64([1]))  # [B,1,1]
@@ -390,11 +342,7 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
     probs = b.op("Softmax", b.op("Mul", b.op("Concat", masked_old, scores_new, axis=-1), scale_attr), axis=-1)
     probs_old = b.op("Slice", probs, b.i64([0]), active, b.i64([-1]))
     probs_new = b.op("Slice", probs, active, b.i64([HUGE]), b.i64([-1]))  # [B,Hkv,G,1]
-    if compression.quantized:
-        context_old = _grouped_context(b, probs_old, active_slots(names["v_cache"]), v_scale, compression)
-    else:
-        context_old = b.op("MatMul", probs_old, _dequantize(b, active_slots(names["v_cache"]), None, compression))
-    context = b.op("Add", context_old, b.op("Mul", probs_new, "v"))  # [B,Hkv,G,D]
+    context = b.op("Add", b.op("MatMul", probs_old, old_v), b.op("Mul", probs_new, "v"))  # [B,Hkv,G,D]
     out = b.op("Reshape", context, b.op("Concat", b.i64([0, 1]), b.shape("q", 1), head_dim, axis=0))  # [B,1,H,D]
 
     # scores of every candidate (C slots + the token) from this step's attention
