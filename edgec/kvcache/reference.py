@@ -215,19 +215,26 @@ def compressed_kv_attention(
     return out, result
 
 
-def select_slots(state: dict[str, np.ndarray], compression, newest: int, capacity: int) -> dict[str, np.ndarray]:
+def select_slots(
+    state: dict[str, np.ndarray], compression, newest: int, capacity: int, pooled_from: int | None = None
+) -> dict[str, np.ndarray]:
     """Compress a state to ``capacity`` slots per head at once (``prefill_compress = end``): keep the forced
-    candidates and then the highest scores, in slot order (the numpy twin of step 4 for a whole prompt)."""
+    candidates and then the highest scores, in slot order (the numpy twin of step 4 for a whole prompt).
+    A pooling policy (snapkv) pools the scores over neighbouring positions here, except for positions
+    ≥ ``pooled_from``: the last call's new tokens, which the op pooled already."""
     from edgec.kvcache import policies
 
     protected = np.isposinf(state["score"]) & (state["pos"] >= 0)
     score = state["score"]
     policy = policies.get(compression.policy)
-    if hasattr(policy, "pool"):  # pool over neighbouring positions (slots sorted by position)
+    if hasattr(policy, "pool"):
+        already = state["pos"] >= (newest + 1 if pooled_from is None else pooled_from)
         order = np.argsort(np.where(state["pos"] < 0, np.iinfo(np.int64).max, state["pos"]), axis=-1, kind="stable")
-        pooled = policy.pool(np.take_along_axis(np.where(protected, 0, score), order, -1))
-        score = np.empty_like(pooled)
-        np.put_along_axis(score, order, pooled, -1)
+        raw = np.where(protected | already, -np.inf, score)
+        pooled = policy.pool(np.take_along_axis(raw, order, -1))
+        unsorted = np.empty_like(pooled)
+        np.put_along_axis(unsorted, order, pooled, -1)
+        score = np.where(already | protected, score, unsorted)
     keep = np.where(forced(state["pos"], np.full((1, 1, 1), newest), protected, compression), np.float32(np.inf), score)
     keep = np.where(state["pos"] < 0, -np.inf, keep)
     if state["pos"].shape[-1] <= capacity:

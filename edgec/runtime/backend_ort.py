@@ -126,8 +126,9 @@ class OrtStep:
         if compression and compression.prefill_compress == "end" and length > compression.capacity:
             self._active = self._allocate(length)
 
-    def end_prompt(self, newest: int) -> None:
-        """After the prompt: keep the best ``capacity`` slots of the temporary state in the real one."""
+    def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
+        """After the prompt: keep the best ``capacity`` slots of the temporary state in the real one
+        (``last_chunk_start``: the first position of the last step, whose scores the op already pooled)."""
         if self._active is self._state:
             return
         by_layer: dict[str, dict[str, np.ndarray]] = {}
@@ -135,7 +136,7 @@ class OrtStep:
             layer, name = input_name.rsplit(".", 1)
             by_layer.setdefault(layer, {})[name] = array
         kept = {
-            layer: select_slots(state, self.compression, newest, self.compression.capacity)
+            layer: select_slots(state, self.compression, newest, self.compression.capacity, last_chunk_start)
             for layer, state in by_layer.items()
             if "score" in state
         }
@@ -191,7 +192,7 @@ class StaticOrtStep:
     def begin_prompt(self, length: int) -> None:
         pass
 
-    def end_prompt(self, newest: int) -> None:
+    def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
         pass
 
     def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:

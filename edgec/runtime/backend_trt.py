@@ -87,7 +87,7 @@ class TrtStep:
     def begin_prompt(self, length: int) -> None:
         """Engines are built for the plain cache only (no compressed-cache state to reshape)."""
 
-    def end_prompt(self, newest: int) -> None:
+    def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
         pass
 
     def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:

@@ -140,6 +140,7 @@ class Model:
         self._step.reset()
         self._step.begin_prompt(len(ids))
         pieces = []
+        start = 0
         for start, end in self._chunks(len(ids)):
             chunk_flags = None if flags is None else flags[start:end]
             logits = self._step.run(ids[start:end], start, last_only=not all_logits, protect=chunk_flags)
@@ -147,7 +148,7 @@ class Model:
                 pieces.append(reduce(start, logits))
             elif all_logits or end == len(ids):
                 pieces.append(logits.copy() if end - start == 1 else logits)  # a one-token result is a reused buffer
-        self._step.end_prompt(len(ids) - 1)
+        self._step.end_prompt(len(ids) - 1, last_chunk_start=start)
         return np.concatenate(pieces) if all_logits else pieces[-1]
 
     def _protect_flags(self, protect: Protect, ids: np.ndarray) -> np.ndarray | None:

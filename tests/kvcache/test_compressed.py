@@ -172,3 +172,17 @@ def test_decode_from_an_empty_cache(dtype):
     sess = _session(compressed_model(4, 2, 16, 8, compression, scale=0.25))
     steps = [(0, 1), (1, 1), (2, 3), *[(p, 1) for p in range(5, 14)]]
     _run(sess, compression, 4, 2, 16, 8, steps, seed=3, in_place=True)
+
+
+def test_end_selection_pools_each_score_once():
+    """snapkv's op pools the last call's new tokens; selecting at the end pools only the others."""
+    from edgec.kvcache.policies import snapkv
+
+    compression = Compression(capacity=4, sink=0, window=1, policy="snapkv")
+    score = np.zeros((1, 1, 40), np.float32)
+    score[..., 10] = 1.0  # an earlier token: pooled here, 7 wide
+    score[..., 30] = snapkv.pool(np.eye(1, 10, 5, dtype=np.float32)[None])[0, 0, 5]  # last call: pooled already
+    state = {"score": score, "pos": np.arange(40)[None, None]}
+    wide = reference.select_slots(state, compression, newest=39, capacity=12, pooled_from=25)["pos"].ravel()
+    assert set(range(7, 14)) | {30, 39} <= set(wide.tolist())
+    assert not {27, 28, 29, 31, 32, 33} & set(wide.tolist())  # pooled twice, 30 would have spread
