@@ -1,0 +1,332 @@
+"""edgec's compressed KV cache against NVIDIA's kvpress (0.5.5): same model, same text, same budget.
+
+    bash benchmarks/kvpress_env.sh                 # once: .venv-kvpress with kvpress==0.5.5 (transformers < 5.3)
+    python benchmarks/kvpress_compare.py           # with the main venv (edgec); runs kvpress in .venv-kvpress
+    python benchmarks/kvpress_compare.py --samples 2 --context 1024    # a quicker look
+
+Protocol
+  Model: SmolLM2-135M-Instruct, fp32 — the Hugging Face folder holding the GGUF's dequantized weights
+  (models.smollm2_hf_folder()); kvpress runs it in PyTorch (sdpa), edgec as an ONNX Runtime bundle built from it.
+  Text: Pride and Prejudice after its first 5000 characters (the Gutenberg header, as decode.py), tokenized once
+  with the model's tokenizer (no BOS: SmolLM2 uses none). ``--samples`` non-overlapping windows spread evenly
+  over the book, each ``--context`` tokens of context followed by ``--continuation`` tokens to score.
+  For each press and budget (the share of the context's tokens kept per layer and KV head):
+    kvpress  ``with press(model): model(context, past_key_values=DynamicCache())`` compresses the context's cache
+             (compression_ratio = 1 - budget); then the continuation (but its last token) is fed teacher-forced in
+             one call through that cache with position_ids continuing the original positions, as kvpress's own
+             pipeline does for a question. The context's last logits give the first prediction.
+    edgec    a bundle built with kv_policy = snapkv | streaming, kv_dtype fp32, prefill_compress "end", loaded
+             with ``kv_capacity = budget × context``; the same steps as ``Model.continuation_logprobs`` (the
+             whole context is read into a temporary full cache, the best ``capacity`` slots per KV head are
+             kept, the continuation is fed through that cache), kept here to get the logits' argmax as well;
+             checked equal to ``continuation_logprobs`` on the first sample.
+  Uncompressed reference: kvpress without a press; edgec's plain bundle (no --kv-*).
+  The continuation is scored in one call in both (edgec feeds min(prefill_chunk, capacity) ≥ continuation
+  tokens per call): its tokens attend to the kept context slots plus each other, nothing is evicted meanwhile.
+  Metrics per (press, budget): perplexity of the continuation (exp of the mean negative log-likelihood over
+  all samples' continuation tokens); top-1 agreement of each implementation with its own uncompressed run
+  (argmax of the next-token logits at every continuation position); top-1 agreement kvpress ↔ edgec.
+
+Settings (edgec's defaults; kvpress matched where its parameters allow):
+  StreamingLLM   kvpress n_sink=4 + the most recent tokens; edgec sink 4 + everything by recency (score = position).
+                 The same rule: the kept sets are identical.
+  SnapKV         edgec: attention of the last 32 prompt queries (observe=32), summed over query heads, max-pooled
+                 over 7 neighbouring positions; 4 sinks and a recent window of 64 always kept.
+                 kvpress ("snapkv"): window_size=32 (observation queries, which are also the only recent tokens
+                 it always keeps), kernel_size=7, average-pooled, averaged over query heads; no sinks forced.
+                 kvpress ("snapkv-default"): its defaults, window_size=64, kernel_size=5.
+
+Exchange: benchmarks/out/kvpress/samples.npz (token ids) → kvpress.npz (the worker's results, written by this
+file run as ``--worker`` in .venv-kvpress) and edgec.npz; summary kvpress.json, kvpress.png, a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "out" / "kvpress"
+KVPRESS_PYTHON = HERE.parent / ".venv-kvpress" / "bin" / "python"
+BUDGETS = (0.5, 0.25, 0.125)
+# (label, kvpress press class, its extra parameters, edgec policy)
+PRESSES = (
+    ("snapkv", "SnapKVPress", {"window_size": 32, "kernel_size": 7}, "snapkv"),
+    ("snapkv-default", "SnapKVPress", {"window_size": 64, "kernel_size": 5}, None),
+    ("streaming", "StreamingLLMPress", {"n_sink": 4}, "streaming"),
+)
+TEXT_START = 5000  # characters: past the Gutenberg header
+
+
+def configs() -> list[tuple[str, float]]:
+    """(press label, budget); ("full", 1.0) is the uncompressed reference."""
+    return [("full", 1.0)] + [(label, budget) for label, *_ in PRESSES for budget in BUDGETS]
+
+
+def key(label: str, budget: float) -> str:
+    return f"{label}@{budget:g}"
+
+
+def log_softmax_pick(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    peak = logits.max(axis=-1, keepdims=True)
+    log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
+    return logits[np.arange(len(targets)), targets] - log_norm
+
+
+# --- kvpress (runs in .venv-kvpress) ---------------------------------------------------------------------------
+def kvpress_worker(folder: Path, samples: Path, result: Path, threads: int) -> None:
+    import kvpress
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    data = np.load(samples)
+    contexts, continuations = data["context"], data["continuation"]
+    out: dict[str, np.ndarray] = {}
+    by_label = {label: (getattr(kvpress, cls), params) for label, cls, params, _ in PRESSES}
+    for label, budget in configs():
+        logprobs, argmax, seconds = [], [], []
+        for context, continuation in zip(contexts, continuations, strict=True):
+            start = time.perf_counter()
+            cache = DynamicCache()
+            ids = torch.tensor(context[None])
+            with torch.no_grad():
+                if label == "full":
+                    first = model(ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
+                else:
+                    cls, params = by_label[label]
+                    with cls(compression_ratio=1 - budget, **params)(model):
+                        first = model(ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
+                    kept = cache.get_seq_length()
+                    assert kept == round(budget * len(context)), (label, budget, kept)
+                positions = torch.arange(len(context), len(context) + len(continuation) - 1)[None]
+                rest = model(torch.tensor(continuation[None, :-1]), past_key_values=cache, position_ids=positions)
+                logits = torch.cat([first[None], rest.logits[0]]).double().numpy()
+            seconds.append(time.perf_counter() - start)
+            logprobs.append(log_softmax_pick(logits, continuation))
+            argmax.append(logits.argmax(-1))
+        out[key(label, budget) + ":logprob"] = np.stack(logprobs)
+        out[key(label, budget) + ":argmax"] = np.stack(argmax)
+        print(f"kvpress {key(label, budget)}: {np.mean(seconds):.1f} s per sample", flush=True)
+    versions = {"kvpress": "0.5.5", "torch": torch.__version__, "transformers": transformers.__version__}
+    np.savez(result, versions=json.dumps(versions), **out)
+
+
+# --- edgec (runs in the main venv) -----------------------------------------------------------------------------
+def edgec_scores(model, context: np.ndarray, continuation: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(log-probabilities, argmax) of the continuation: Model.continuation_logprobs's steps, keeping the logits."""
+    first = model._prefill(np.asarray(context, np.int64), all_logits=False)[-1].astype(np.float64)
+    rows = [first[None]]
+    position, size = len(context), model.prefill_chunk
+    if model.cache_spec.compression:
+        size = min(size, model.cache_spec.compression.capacity)
+    for start in range(0, len(continuation) - 1, size):
+        piece = np.asarray(continuation[start : min(start + size, len(continuation) - 1)], np.int64)
+        rows.append(model._step.run(piece, position, last_only=False).astype(np.float64).reshape(len(piece), -1))
+        position += len(piece)
+    logits = np.concatenate(rows)
+    return log_softmax_pick(logits, continuation), logits.argmax(-1)
+
+
+def build_bundles(folder: Path, context: int, continuation: int, threads: int) -> dict[str, Path]:
+    from edgec.build import BuildSettings, build
+
+    total = context + continuation
+    bundles = {"full": OUT / f"smollm2-ctx{total}-plain.edgec"}
+    settings = {"full": BuildSettings(target="cpu", context=total)}
+    for _, _, _, policy in PRESSES:
+        if policy:
+            bundles[policy] = OUT / f"smollm2-ctx{total}-{policy}.edgec"
+            settings[policy] = BuildSettings(
+                target="cpu",
+                context=total,
+                kv_capacity=round(max(BUDGETS) * context),
+                kv_policy=policy,
+                kv_dtype="fp32",
+                prefill_compress="end",
+            )
+    for name, path in bundles.items():
+        if not (path / "manifest.json").exists():
+            start = time.perf_counter()
+            build(folder, path, settings[name])
+            print(f"built {path.name} in {time.perf_counter() - start:.0f} s", flush=True)
+    return bundles
+
+
+def run_edgec(bundles: dict[str, Path], samples: Path, threads: int) -> dict[str, np.ndarray]:
+    from edgec.runtime.model import Model
+
+    data = np.load(samples)
+    contexts, continuations = data["context"], data["continuation"]
+    out: dict[str, np.ndarray] = {}
+    policy_of = {label: policy for label, _, _, policy in PRESSES}
+    for label, budget in configs():
+        policy = "full" if label == "full" else policy_of[label]
+        if policy is None:
+            continue  # a kvpress-only variant
+        capacity = None if label == "full" else round(budget * contexts.shape[1])
+        model = Model.load(bundles[policy], threads=threads, kv_capacity=capacity)
+        logprobs, argmax, seconds = [], [], []
+        for index, (context, continuation) in enumerate(zip(contexts, continuations, strict=True)):
+            start = time.perf_counter()
+            lp, am = edgec_scores(model, context, continuation)
+            seconds.append(time.perf_counter() - start)
+            if index == 0 and label != "streaming":  # the helper is continuation_logprobs with the logits kept
+                public = model.continuation_logprobs(context.tolist(), continuation.tolist())
+                assert np.allclose(public, lp, atol=1e-6, rtol=0), np.abs(public - lp).max()
+            logprobs.append(lp)
+            argmax.append(am)
+        out[key(label, budget) + ":logprob"] = np.stack(logprobs)
+        out[key(label, budget) + ":argmax"] = np.stack(argmax)
+        print(f"edgec {key(label, budget)}: {np.mean(seconds):.1f} s per sample", flush=True)
+        del model
+    return out
+
+
+# --- samples, summary ------------------------------------------------------------------------------------------
+def make_samples(folder: Path, path: Path, count: int, context: int, continuation: int) -> None:
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(HERE))
+    import models
+
+    ids = np.asarray(Tokenizer.from_file(str(folder / "tokenizer.json")).encode(models.austen_text()[TEXT_START:]).ids)
+    length = context + continuation
+    if count * length > len(ids):
+        sys.exit(f"the book has {len(ids)} tokens: {count} samples of {length} do not fit")
+    starts = [i * (len(ids) - length) // max(count - 1, 1) for i in range(count)]
+    windows = np.stack([ids[s : s + length] for s in starts]).astype(np.int64)
+    np.savez(path, context=windows[:, :context], continuation=windows[:, context:], starts=np.asarray(starts))
+
+
+def summarize(kv: dict[str, np.ndarray], ec: dict[str, np.ndarray]) -> dict:
+    def ppl(logprob: np.ndarray) -> float:
+        return float(np.exp(-logprob.mean()))
+
+    def agree(a: np.ndarray, b: np.ndarray) -> float:
+        return float((a == b).mean())
+
+    rows = {}
+    for label, budget in configs():
+        k = key(label, budget)
+        row = {"kvpress_ppl": ppl(kv[k + ":logprob"])}
+        full = "full@1"
+        row["kvpress_top1_vs_full"] = agree(kv[k + ":argmax"], kv[full + ":argmax"])
+        if k + ":logprob" in ec:
+            row["edgec_ppl"] = ppl(ec[k + ":logprob"])
+            row["edgec_top1_vs_full"] = agree(ec[k + ":argmax"], ec[full + ":argmax"])
+            row["top1_kvpress_vs_edgec"] = agree(kv[k + ":argmax"], ec[k + ":argmax"])
+        rows[k] = row
+    return rows
+
+
+def table(rows: dict, context: int) -> str:
+    def cell(row, name, fmt):
+        return format(row[name], fmt) if name in row else "—"
+
+    lines = [
+        "| press | budget (kept tokens) | perplexity kvpress | perplexity edgec | top-1 = full, kvpress "
+        "| top-1 = full, edgec | top-1 kvpress = edgec |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, budget in configs():
+        row = rows[key(label, budget)]
+        name = "none (full cache)" if label == "full" else label
+        lines.append(
+            f"| {name} | {budget:.1%} ({round(budget * context)}) | {cell(row, 'kvpress_ppl', '.2f')} "
+            f"| {cell(row, 'edgec_ppl', '.2f')} | {cell(row, 'kvpress_top1_vs_full', '.1%')} "
+            f"| {cell(row, 'edgec_top1_vs_full', '.1%')} | {cell(row, 'top1_kvpress_vs_edgec', '.1%')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    full = rows["full@1"]
+    axis.axhline(full["kvpress_ppl"], color="grey", linestyle=":", label="full cache (kvpress)")
+    styles = {"snapkv": "tab:blue", "snapkv-default": "tab:cyan", "streaming": "tab:orange"}
+    for label, *_ in PRESSES:
+        budgets = [b for b in BUDGETS]
+        kv = [rows[key(label, b)]["kvpress_ppl"] for b in budgets]
+        axis.plot(budgets, kv, "o--", color=styles[label], label=f"kvpress {label}")
+        if "edgec_ppl" in rows[key(label, BUDGETS[0])]:
+            ec = [rows[key(label, b)]["edgec_ppl"] for b in budgets]
+            axis.plot(budgets, ec, "s-", color=styles[label], label=f"edgec {label}")
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(list(BUDGETS), [f"{b:.1%}" for b in BUDGETS])
+    axis.invert_xaxis()
+    axis.set_xlabel("KV cache budget (share of the context kept)")
+    axis.set_ylabel("continuation perplexity")
+    axis.set_title("SmolLM2-135M fp32, Pride and Prejudice: edgec vs kvpress 0.5.5")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--continuation", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hf", type=Path, help="the model's HF folder (default: models.smollm2_hf_folder())")
+    parser.add_argument("--worker", nargs=2, type=Path, metavar=("SAMPLES", "RESULT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.hf is None:
+        sys.path.insert(0, str(HERE))
+        import models
+
+        args.hf = models.smollm2_hf_folder()
+    if args.worker:
+        kvpress_worker(args.hf, *args.worker, args.threads)
+        return
+    if min(BUDGETS) * args.context < args.continuation:
+        sys.exit("the smallest capacity must hold the continuation (it is scored in one call)")
+    OUT.mkdir(parents=True, exist_ok=True)
+    tag = f"{args.samples}x{args.context}+{args.continuation}"
+    samples, kv_path, ec_path = (OUT / f"{name}-{tag}.npz" for name in ("samples", "kvpress", "edgec"))
+    if not samples.exists():
+        make_samples(args.hf, samples, args.samples, args.context, args.continuation)
+    if not kv_path.exists():
+        if not KVPRESS_PYTHON.exists():
+            sys.exit(f"{KVPRESS_PYTHON} is missing: bash benchmarks/kvpress_env.sh")
+        command = [str(KVPRESS_PYTHON), __file__, "--hf", str(args.hf), "--threads", str(args.threads)]
+        subprocess.run([*command, "--worker", str(samples), str(kv_path)], check=True)
+    if not ec_path.exists():
+        bundles = build_bundles(args.hf, args.context, args.continuation, args.threads)
+        np.savez(ec_path, **run_edgec(bundles, samples, args.threads))
+    kv_data = np.load(kv_path)
+    kv, ec = dict(kv_data), dict(np.load(ec_path))
+    rows = summarize(kv, ec)
+    meta = {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads",
+        "protocol": vars(args) | {"hf": str(args.hf), "budgets": BUDGETS, "presses": [p[:3] for p in PRESSES]},
+        "versions": json.loads(str(kv_data["versions"])),
+    }
+    (OUT / f"kvpress-{tag}.json").write_text(json.dumps(meta | {"results": rows}, indent=2, default=str))
+    plot(rows, OUT / f"kvpress-{tag}.png")
+    print(table(rows, args.context))
+    print(f"wrote {OUT}/kvpress-{tag}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
