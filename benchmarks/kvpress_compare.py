@@ -65,11 +65,13 @@ PRESSES = (
     ("streaming", "StreamingLLMPress", {"n_sink": 4}, "streaming"),
 )
 TEXT_START = 5000  # characters: past the Gutenberg header
+EMULATED = "snapkv-edgec-rule"  # kvpress running edgec's SnapKV rule (--emulate), compared with edgec's snapkv
 
 
-def configs() -> list[tuple[str, float]]:
+def configs(emulated: bool = False) -> list[tuple[str, float]]:
     """(press label, budget); ("full", 1.0) is the uncompressed reference."""
-    return [("full", 1.0)] + [(label, budget) for label, *_ in PRESSES for budget in BUDGETS]
+    labels = [label for label, *_ in PRESSES] + ([EMULATED] if emulated else [])
+    return [("full", 1.0)] + [(label, budget) for label in labels for budget in BUDGETS]
 
 
 def key(label: str, budget: float) -> str:
@@ -84,7 +86,38 @@ def log_softmax_pick(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 # --- kvpress (runs in .venv-kvpress) ---------------------------------------------------------------------------
-def kvpress_worker(folder: Path, samples: Path, result: Path, threads: int) -> None:
+def edgec_rule_press(compression_ratio: float):
+    """A kvpress ScorerPress that applies edgec's SnapKV rule at the end of a prompt (reference.select_slots with
+    policies/snapkv.py): attention of the last 32 queries, summed over them and the KV head's query heads, max-pooled
+    over 7 positions, 4 sinks and the last 64 positions always kept. An independent implementation of edgec's
+    selection in kvpress's machinery: it should agree with edgec up to near-ties."""
+    import torch
+    from kvpress import SnapKVPress
+    from kvpress.utils import get_prerope_query_states
+    from torch.nn import functional as F
+    from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
+
+    observe, pool, sink, window = 32, 7, 4, 64
+
+    class EdgecRuleSnapKVPress(SnapKVPress):
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            bsz, kv_heads, k_len, head_dim = keys.shape
+            query = get_prerope_query_states(module, hidden_states[:, -observe:])
+            cos, sin = (x[:, -observe:].unsqueeze(1) for x in kwargs["position_embeddings"])
+            query = query * cos + rotate_half(query) * sin
+            logits = query @ repeat_kv(keys, query.shape[1] // kv_heads).transpose(2, 3) / head_dim**0.5
+            future = torch.ones(observe, k_len, dtype=torch.bool).triu(k_len - observe + 1)
+            probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1, dtype=torch.float32)
+            scores = probs.sum(dim=2).view(bsz, kv_heads, -1, k_len).sum(dim=2)  # [B, Hkv, k_len]
+            scores = F.max_pool1d(scores, kernel_size=pool, padding=pool // 2, stride=1)
+            scores[..., :sink] = float("inf")
+            scores[..., k_len - window :] = float("inf")
+            return scores
+
+    return EdgecRuleSnapKVPress(compression_ratio=compression_ratio, window_size=observe)
+
+
+def kvpress_worker(folder: Path, samples: Path, result: Path, threads: int, emulate: bool) -> None:
     import kvpress
     import torch
     import transformers
@@ -97,7 +130,7 @@ def kvpress_worker(folder: Path, samples: Path, result: Path, threads: int) -> N
     contexts, continuations = data["context"], data["continuation"]
     out: dict[str, np.ndarray] = {}
     by_label = {label: (getattr(kvpress, cls), params) for label, cls, params, _ in PRESSES}
-    for label, budget in configs():
+    for label, budget in [(EMULATED, budget) for budget in BUDGETS] if emulate else configs():
         logprobs, argmax, seconds = [], [], []
         for context, continuation in zip(contexts, continuations, strict=True):
             start = time.perf_counter()
@@ -107,8 +140,12 @@ def kvpress_worker(folder: Path, samples: Path, result: Path, threads: int) -> N
                 if label == "full":
                     first = model(ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
                 else:
-                    cls, params = by_label[label]
-                    with cls(compression_ratio=1 - budget, **params)(model):
+                    if label == EMULATED:
+                        press = edgec_rule_press(1 - budget)
+                    else:
+                        cls, params = by_label[label]
+                        press = cls(compression_ratio=1 - budget, **params)
+                    with press(model):
                         first = model(ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
                     kept = cache.get_seq_length()
                     assert kept == round(budget * len(context)), (label, budget, kept)
@@ -220,17 +257,27 @@ def summarize(kv: dict[str, np.ndarray], ec: dict[str, np.ndarray]) -> dict:
         return float((a == b).mean())
 
     rows = {}
-    for label, budget in configs():
+    full = "full@1"
+    for label, budget in configs(emulated=key(EMULATED, BUDGETS[0]) + ":logprob" in kv):
         k = key(label, budget)
+        e = key("snapkv", budget) if label == EMULATED else k  # the edgec run it is compared with
         row = {"kvpress_ppl": ppl(kv[k + ":logprob"])}
-        full = "full@1"
         row["kvpress_top1_vs_full"] = agree(kv[k + ":argmax"], kv[full + ":argmax"])
-        if k + ":logprob" in ec:
-            row["edgec_ppl"] = ppl(ec[k + ":logprob"])
-            row["edgec_top1_vs_full"] = agree(ec[k + ":argmax"], ec[full + ":argmax"])
-            row["top1_kvpress_vs_edgec"] = agree(kv[k + ":argmax"], ec[k + ":argmax"])
+        if e + ":logprob" in ec:
+            row["edgec_ppl"] = ppl(ec[e + ":logprob"])
+            row["edgec_top1_vs_full"] = agree(ec[e + ":argmax"], ec[full + ":argmax"])
+            row["top1_kvpress_vs_edgec"] = agree(kv[k + ":argmax"], ec[e + ":argmax"])
         rows[k] = row
     return rows
+
+
+TABLE_NAMES = {
+    "full": "none (full cache)",
+    "snapkv": "SnapKV (kvpress window 32, kernel 7)",
+    "snapkv-default": "SnapKV (kvpress defaults: window 64, kernel 5; edgec —)",
+    "streaming": "StreamingLLM (4 sinks)",
+    EMULATED: "SnapKV, kvpress running edgec's rule (vs edgec SnapKV)",
+}
 
 
 def table(rows: dict, context: int) -> str:
@@ -242,9 +289,9 @@ def table(rows: dict, context: int) -> str:
         "| top-1 = full, edgec | top-1 kvpress = edgec |",
         "|---|---|---|---|---|---|---|",
     ]
-    for label, budget in configs():
+    for label, budget in configs(emulated=key(EMULATED, BUDGETS[0]) in rows):
         row = rows[key(label, budget)]
-        name = "none (full cache)" if label == "full" else label
+        name = TABLE_NAMES.get(label, label)
         lines.append(
             f"| {name} | {budget:.1%} ({round(budget * context)}) | {cell(row, 'kvpress_ppl', '.2f')} "
             f"| {cell(row, 'edgec_ppl', '.2f')} | {cell(row, 'kvpress_top1_vs_full', '.1%')} "
@@ -262,14 +309,18 @@ def plot(rows: dict, path: Path) -> None:
     figure, axis = plt.subplots(figsize=(7, 4.5))
     full = rows["full@1"]
     axis.axhline(full["kvpress_ppl"], color="grey", linestyle=":", label="full cache (kvpress)")
-    styles = {"snapkv": "tab:blue", "snapkv-default": "tab:cyan", "streaming": "tab:orange"}
-    for label, *_ in PRESSES:
-        budgets = [b for b in BUDGETS]
-        kv = [rows[key(label, b)]["kvpress_ppl"] for b in budgets]
-        axis.plot(budgets, kv, "o--", color=styles[label], label=f"kvpress {label}")
-        if "edgec_ppl" in rows[key(label, BUDGETS[0])]:
-            ec = [rows[key(label, b)]["edgec_ppl"] for b in budgets]
-            axis.plot(budgets, ec, "s-", color=styles[label], label=f"edgec {label}")
+    styles = {"snapkv": "tab:blue", "snapkv-default": "tab:cyan", "streaming": "tab:orange", EMULATED: "tab:green"}
+    names = {
+        "snapkv": "snapkv (window 32, kernel 7)",
+        "snapkv-default": "snapkv (its defaults: window 64, kernel 5)",
+        EMULATED: "with edgec's snapkv rule",
+    }
+    for label in [label for label, *_ in PRESSES] + ([EMULATED] if key(EMULATED, BUDGETS[0]) in rows else []):
+        kv = [rows[key(label, b)]["kvpress_ppl"] for b in BUDGETS]
+        axis.plot(BUDGETS, kv, "o--", color=styles[label], label=f"kvpress {names.get(label, label)}")
+        if "edgec_ppl" in rows[key(label, BUDGETS[0])] and label != EMULATED:
+            ec = [rows[key(label, b)]["edgec_ppl"] for b in BUDGETS]
+            axis.plot(BUDGETS, ec, "s-", color=styles[label], label=f"edgec {label}")
     axis.set_xscale("log", base=2)
     axis.set_xticks(list(BUDGETS), [f"{b:.1%}" for b in BUDGETS])
     axis.invert_xaxis()
@@ -288,6 +339,9 @@ def main() -> None:
     parser.add_argument("--continuation", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--hf", type=Path, help="the model's HF folder (default: models.smollm2_hf_folder())")
+    parser.add_argument(
+        "--emulate", action="store_true", help=f"also run kvpress with edgec's SnapKV rule ({EMULATED})"
+    )
     parser.add_argument("--worker", nargs=2, type=Path, metavar=("SAMPLES", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hf is None:
@@ -296,7 +350,7 @@ def main() -> None:
 
         args.hf = models.smollm2_hf_folder()
     if args.worker:
-        kvpress_worker(args.hf, *args.worker, args.threads)
+        kvpress_worker(args.hf, *args.worker, args.threads, args.emulate)
         return
     if min(BUDGETS) * args.context < args.continuation:
         sys.exit("the smallest capacity must hold the continuation (it is scored in one call)")
@@ -305,16 +359,21 @@ def main() -> None:
     samples, kv_path, ec_path = (OUT / f"{name}-{tag}.npz" for name in ("samples", "kvpress", "edgec"))
     if not samples.exists():
         make_samples(args.hf, samples, args.samples, args.context, args.continuation)
+    command = [str(KVPRESS_PYTHON), __file__, "--hf", str(args.hf), "--threads", str(args.threads)]
+    if not KVPRESS_PYTHON.exists() and not kv_path.exists():
+        sys.exit(f"{KVPRESS_PYTHON} is missing: bash benchmarks/kvpress_env.sh")
     if not kv_path.exists():
-        if not KVPRESS_PYTHON.exists():
-            sys.exit(f"{KVPRESS_PYTHON} is missing: bash benchmarks/kvpress_env.sh")
-        command = [str(KVPRESS_PYTHON), __file__, "--hf", str(args.hf), "--threads", str(args.threads)]
         subprocess.run([*command, "--worker", str(samples), str(kv_path)], check=True)
     if not ec_path.exists():
         bundles = build_bundles(args.hf, args.context, args.continuation, args.threads)
         np.savez(ec_path, **run_edgec(bundles, samples, args.threads))
     kv_data = np.load(kv_path)
     kv, ec = dict(kv_data), dict(np.load(ec_path))
+    if args.emulate:
+        emulated = OUT / f"kvpress-emulate-{tag}.npz"
+        if not emulated.exists():
+            subprocess.run([*command, "--emulate", "--worker", str(samples), str(emulated)], check=True)
+        kv |= {name: value for name, value in np.load(emulated).items() if name.startswith(EMULATED)}
     rows = summarize(kv, ec)
     meta = {
         "date": date.today().isoformat(),
