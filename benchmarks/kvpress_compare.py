@@ -16,10 +16,9 @@ Protocol
              one call through that cache with position_ids continuing the original positions, as kvpress's own
              pipeline does for a question. The context's last logits give the first prediction.
     edgec    a bundle built with kv_policy = snapkv | streaming, kv_dtype fp32, prefill_compress "end", loaded
-             with ``kv_capacity = budget × context``; the same steps as ``Model.continuation_logprobs`` (the
+             with ``kv_capacity = budget × context``; ``Model.continuation_logprobs(..., with_top1=True)``: the
              whole context is read into a temporary full cache, the best ``capacity`` slots per KV head are
-             kept, the continuation is fed through that cache), kept here to get the logits' argmax as well;
-             checked equal to ``continuation_logprobs`` on the first sample.
+             kept, the continuation is fed through that cache.
   Uncompressed reference: kvpress without a press; edgec's plain bundle (no --kv-*).
   The continuation is scored in one call in both (edgec feeds min(prefill_chunk, capacity) ≥ continuation
   tokens per call): its tokens attend to the kept context slots plus each other, nothing is evicted meanwhile.
@@ -163,21 +162,6 @@ def kvpress_worker(folder: Path, samples: Path, result: Path, threads: int, emul
 
 
 # --- edgec (runs in the main venv) -----------------------------------------------------------------------------
-def edgec_scores(model, context: np.ndarray, continuation: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(log-probabilities, argmax) of the continuation: Model.continuation_logprobs's steps, keeping the logits."""
-    first = model._prefill(np.asarray(context, np.int64), all_logits=False)[-1].astype(np.float64)
-    rows = [first[None]]
-    position, size = len(context), model.prefill_chunk
-    if model.cache_spec.compression:
-        size = min(size, model.cache_spec.compression.capacity)
-    for start in range(0, len(continuation) - 1, size):
-        piece = np.asarray(continuation[start : min(start + size, len(continuation) - 1)], np.int64)
-        rows.append(model._step.run(piece, position, last_only=False).astype(np.float64).reshape(len(piece), -1))
-        position += len(piece)
-    logits = np.concatenate(rows)
-    return log_softmax_pick(logits, continuation), logits.argmax(-1)
-
-
 def build_bundles(folder: Path, context: int, continuation: int, threads: int) -> dict[str, Path]:
     from edgec.build import BuildSettings, build
 
@@ -217,13 +201,10 @@ def run_edgec(bundles: dict[str, Path], samples: Path, threads: int) -> dict[str
         capacity = None if label == "full" else round(budget * contexts.shape[1])
         model = Model.load(bundles[policy], threads=threads, kv_capacity=capacity)
         logprobs, argmax, seconds = [], [], []
-        for index, (context, continuation) in enumerate(zip(contexts, continuations, strict=True)):
+        for context, continuation in zip(contexts, continuations, strict=True):
             start = time.perf_counter()
-            lp, am = edgec_scores(model, context, continuation)
+            lp, am = model.continuation_logprobs(context.tolist(), continuation.tolist(), with_top1=True)
             seconds.append(time.perf_counter() - start)
-            if index == 0 and label != "streaming":  # the helper is continuation_logprobs with the logits kept
-                public = model.continuation_logprobs(context.tolist(), continuation.tolist())
-                assert np.allclose(public, lp, atol=1e-6, rtol=0), np.abs(public - lp).max()
             logprobs.append(lp)
             argmax.append(am)
         out[key(label, budget) + ":logprob"] = np.stack(logprobs)
