@@ -2,7 +2,8 @@
 
     bash benchmarks/kvpress_env.sh                 # once: .venv-kvpress with kvpress==0.5.5 (transformers < 5.3)
     python benchmarks/kvpress_compare.py           # with the main venv (edgec); runs kvpress in .venv-kvpress
-    python benchmarks/kvpress_compare.py --samples 2 --context 1024    # a quicker look
+    python benchmarks/kvpress_compare.py --emulate  # also kvpress running edgec's SnapKV rule (a cross-check)
+    python benchmarks/kvpress_compare.py --samples 1    # a quicker look (the docs' table: 4 samples, --emulate)
 
 Protocol
   Model: SmolLM2-135M-Instruct, fp32 — the Hugging Face folder holding the GGUF's dequantized weights
