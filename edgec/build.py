@@ -19,9 +19,9 @@ from edgec.kvcache.compression import Compression
 from edgec.targets import ORT_PROVIDERS, Target, load_target
 
 DEFAULT_POLICY = "snapkv"
-STAGES = ("load", "export", "save", "validate", "engine", "bundle")
+STAGES = ("load", "calibrate", "export", "save", "validate", "engine", "bundle")
 VALIDATION_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
-Progress = Callable[[str], None]
+Progress = Callable[..., None]  # (stage) as each stage starts; (stage, done, total) inside a long one
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ class BuildSettings:
     kv_group: int = 32
     prefill_compress: str = "end"
     protect: str | None = None  # built-in protect heuristics applied by default at run time ("numbers,names")
+    embedding_bits: int = 8  # int4: the (tied, stored once) embedding table: 8 = exact for a GGUF's Q8_0, 4 = smaller
+    quant_method: str = "rtn"  # int4: rtn (round to nearest) or gptq (calibrated: error-compensating rounding)
+    calib: str | None = None  # gptq: calibration text file; None = Python's own pydoc_data.topics
     allow_pickle: bool = False
     overwrite: bool = False
 
@@ -84,6 +87,7 @@ def _check_settings(settings: BuildSettings) -> Target:
 
 
 BUILDABLE_WEIGHTS = ("fp32", "fp16", "int4")
+QUANT_METHODS = ("rtn", "gptq")
 
 
 def pass_plan(
@@ -100,6 +104,21 @@ def pass_plan(
         raise BuildSettingsError(f"--accuracy-level must be 0-4, got {settings.accuracy_level}")
     if settings.block_size not in (32, 64, 128):
         raise BuildSettingsError(f"--block-size must be 32, 64 or 128, got {settings.block_size}")
+    if settings.embedding_bits not in (4, 8):
+        raise BuildSettingsError(f"--embedding-bits must be 4 or 8, got {settings.embedding_bits}")
+    if settings.quant_method not in QUANT_METHODS:
+        known = ", ".join(QUANT_METHODS)
+        raise BuildSettingsError(f"--quant-method must be one of {known}, got {settings.quant_method}")
+    if settings.quant_method != "rtn" and weights != "int4":
+        raise BuildSettingsError(f"--quant-method {settings.quant_method} needs --weights int4 (got {weights})")
+    if settings.quant_method == "gptq" and target.runtime not in ("ort-cpu", "ort-cuda"):
+        raise BuildSettingsError(
+            f"--quant-method gptq needs an ONNX Runtime target (MatMulNBits weights); {target.name} is {target.runtime}"
+        )
+    if settings.calib is not None and settings.quant_method == "rtn":
+        raise BuildSettingsError("--calib is for a calibrated --quant-method (gptq); rtn needs no calibration text")
+    if settings.calib is not None and not Path(settings.calib).is_file():
+        raise BuildSettingsError(f"--calib {settings.calib}: no such file (give a UTF-8 text file)")
     names = [name for name in target.passes if not (name == "float16" and weights == "fp32")]
     if weights == "fp16" and "float16" not in names:
         names.append("float16")
@@ -112,6 +131,7 @@ def pass_plan(
             "form": form,
             "symmetric": settings.symmetric or form == "qdq",
             "accuracy_level": settings.accuracy_level,
+            "embedding_bits": settings.embedding_bits,
         }
     if compression is not None:
         if target.static_shapes:  # its slot count is a symbolic dim, and its prompt-end selection runs in numpy
@@ -155,7 +175,7 @@ def build(
     model_path: str | Path, output: str | Path, settings: BuildSettings, progress: Progress | None = None
 ) -> BuildResult:
     """Compile ``model_path`` for ``settings.target`` into the bundle folder ``output``."""
-    progress = progress or (lambda stage: None)
+    progress = progress or (lambda stage, done=None, total=None: None)
     target = _check_settings(settings)
     output = Path(output)
     from edgec.load import inspect_source
@@ -213,6 +233,21 @@ def _build_into(
     reference_logits = _torch_last_logits(loaded.causal_lm, prompts)
     generation = _generation_defaults(loaded)
     timings["load_s"] = time.perf_counter() - start
+
+    progress("calibrate")
+    if settings.quant_method == "gptq":
+        from edgec.gptq import gptq
+
+        start = time.perf_counter()
+        gptq(
+            loaded.causal_lm,
+            loaded.tokenizer,
+            settings.block_size,
+            settings.symmetric,
+            settings.calib,
+            report=lambda done, total: progress("calibrate", done, total),
+        )
+        timings["calibrate_s"] = time.perf_counter() - start
 
     progress("export")
     start = time.perf_counter()

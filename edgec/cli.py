@@ -68,6 +68,20 @@ def main() -> None:
     help="end: read the whole prompt, then select (query-aware); chunk: select between chunks (bounded memory).",
 )
 @click.option("--protect", default=None, help="Default protected tokens at run time: numbers,names.")
+@click.option(
+    "--embedding-bits",
+    type=int,
+    default=8,
+    show_default=True,
+    help="int4: bits of the embedding table (shared with a tied lm_head): 8 (exact for GGUF Q8_0) or 4 (smaller).",
+)
+@click.option(
+    "--quant-method",
+    default="rtn",
+    show_default=True,
+    help="int4: rtn (round to nearest) or gptq (calibrated on text; a few minutes on CPU for 135M).",
+)
+@click.option("--calib", default=None, help="gptq: calibration text file [default: Python's pydoc_data.topics].")
 @click.option("--allow-pickle", is_flag=True, help="Accept pickle (*.bin) weights; pickle can run arbitrary code.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at -o.")
 def build(
@@ -88,6 +102,9 @@ def build(
     kv_group,
     prefill_compress,
     protect,
+    embedding_bits,
+    quant_method,
+    calib,
     allow_pickle,
     overwrite,
 ) -> None:
@@ -118,6 +135,9 @@ def build(
         kv_group=kv_group,
         prefill_compress=prefill_compress,
         protect=protect,
+        embedding_bits=embedding_bits,
+        quant_method=quant_method,
+        calib=calib,
         allow_pickle=allow_pickle,
         overwrite=overwrite,
     )
@@ -130,8 +150,15 @@ def build(
     with Progress(*columns, transient=False) as progress:
         task = progress.add_task("starting", total=len(STAGES))
 
-        def advance(stage: str) -> None:
-            progress.update(task, description=stage, completed=STAGES.index(stage))
+        steps: dict[str, int] = {}
+
+        def advance(stage: str, done: int | None = None, total: int | None = None) -> None:
+            if done is None:  # a stage starts
+                progress.update(task, description=stage, completed=STAGES.index(stage))
+                return
+            if stage not in steps:  # a long stage's own bar (GPTQ: one step per layer)
+                steps[stage] = progress.add_task(stage, total=total)
+            progress.update(steps[stage], completed=done, total=total)
 
         result = run_build(model, output, settings, progress=advance)
         progress.update(task, description="done", completed=len(STAGES))
@@ -302,6 +329,13 @@ def inspect(bundle) -> None:
         f"context: {settings['context']} tokens, prefill chunk {settings['prefill_chunk']}, "
         f"weights {settings.get('weights', 'fp32')}"
     )
+    if settings.get("weights") == "int4":
+        console.print(
+            f"int4: block {settings['block_size']}, {'symmetric' if settings['symmetric'] else 'zero point'}, "
+            f"accuracy level {settings['accuracy_level']}, embedding {settings.get('embedding_bits', 8)} bits, "
+            f"method {settings.get('quant_method', 'rtn')}"
+            + (f" (calibration text {settings['calib']})" if settings.get("calib") else "")
+        )
     console.print(
         f"cache: {cache['dtype']}, {len(cache['layers'])} layers, {cache['bytes_per_token']:,} bytes/token, "
         f"{cache['total_bytes'] / 2**20:,.1f} MiB at full capacity"

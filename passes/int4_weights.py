@@ -30,7 +30,12 @@ BLOCK_SIZES = (32, 64, 128)
 
 
 def int4_weights(
-    model: ir.Model, block_size: int = 32, symmetric: bool = False, form: str = "matmulnbits", accuracy_level: int = 4
+    model: ir.Model,
+    block_size: int = 32,
+    symmetric: bool = False,
+    form: str = "matmulnbits",
+    accuracy_level: int = 4,
+    embedding_bits: int = 8,
 ) -> int:
     """Rewrite in place; returns how many weights were quantized."""
     from onnxruntime.quantization import QuantFormat
@@ -41,6 +46,7 @@ def int4_weights(
     _materialize_transposed_weights(model)
     portable = form == "qdq"
     if not portable:
+        _shared_embedding(model, block_size, symmetric, accuracy_level, embedding_bits)
         _matmul_nbits(model, block_size, symmetric, accuracy_level)
         _gather_block_quantized(model, block_size)
         return sum(node.op_type in ("MatMulNBits", "GatherBlockQuantized") for node in model.graph)
@@ -94,6 +100,80 @@ def _gather_block_quantized(model: ir.Model, block_size: int) -> None:
         graph.remove(node, safe=True)
         if not table.uses():
             graph.initializers.pop(table.name)
+
+
+def _shared_embedding(model: ir.Model, block_size: int, symmetric: bool, accuracy_level: int, bits: int) -> None:
+    """A tied lm_head and its embedding table become ONE quantized table, read by the lm_head's MatMulNBits and by a
+    GatherBlockQuantized (as onnxruntime-genai's ``shared_embeddings``), so it is stored once. 8 bits (absmax/127:
+    exact for a GGUF's Q8_0 table) or 4 bits (integer zero points unless ``symmetric``; both kernels read them fast).
+    The gather reads the packed weight and the scales through Reshape: ONNX Runtime folds those into copies before
+    MatMulNBits pre-packs (and may release) its own inputs — sharing the scales directly gives wrong results."""
+    graph = model.graph
+    output_layer = _output_projection(graph)
+    weight = output_layer.inputs[1] if output_layer is not None else None
+    if weight is None or not weight.name.endswith(".transposed") or weight.const_value is None:
+        return
+    table = graph.initializers.get(weight.name.removesuffix(".transposed"))
+    gathers = [use.node for use in table.uses() if _is_row_gather(use.node)] if table is not None else []
+    rows, columns = table.shape if table is not None else (0, 0)
+    if not gathers or columns % block_size:
+        return
+    array, blocks = weight.const_value.numpy(), columns // block_size
+    zero_points = None
+    if bits == 8:
+        packed, scales, _ = quantize_blocks(array, block_size, symmetric=True, bits=8)
+        gather_zero_points = np.full((rows, blocks), 128, np.uint8)  # explicit: MatMulNBits' default, 2**(bits-1)
+    elif symmetric:
+        packed, scales, _ = quantize_blocks(array, block_size, symmetric=True)
+        gather_zero_points = None  # GatherBlockQuantized's default for 4 bits is 8, like MatMulNBits'
+    else:
+        packed, scales, zero_points = quantize_blocks_zero_point(array, block_size)
+        gather_zero_points = zero_points
+    data = _constant(graph, f"{table.name}.q{bits}", packed)
+    scale = _constant(graph, f"{table.name}.scales", scales)
+    zero = _constant(graph, f"{table.name}.zero_points", zero_points) if zero_points is not None else None
+    tape = ir.tape.Tape(graph_like=graph)
+    logits = tape.op(
+        "MatMulNBits",
+        [output_layer.inputs[0], data, scale] + ([zero] if zero is not None else []),
+        # 8-bit weights always compute with int8 activations (level 4): ONNX Runtime has no fast fp32 kernel for
+        # them (SmolLM2's lm_head alone takes 85 ms a step at level 1)
+        attributes={
+            "K": columns,
+            "N": rows,
+            "bits": bits,
+            "block_size": block_size,
+            "accuracy_level": accuracy_level if bits == 4 else 4,
+        },
+        domain="com.microsoft",
+    )
+    graph.insert_before(output_layer, tape.nodes)
+    take_over(output_layer.outputs[0], logits)
+    graph.remove(output_layer, safe=True)
+    graph.initializers.pop(weight.name)
+    data_shape = _constant(graph, f"{table.name}.rows_shape", np.array([rows, columns * bits // 8]))
+    scales_shape = _constant(graph, f"{table.name}.scales_shape", np.array([rows, blocks]))
+    if gather_zero_points is not None and gather_zero_points is not zero_points:
+        zero = _constant(graph, f"{table.name}.gather_zero_points", gather_zero_points)
+    for node in gathers:
+        tape = ir.tape.Tape(graph_like=graph)
+        inputs = [tape.op("Reshape", [data, data_shape]), node.inputs[1], tape.op("Reshape", [scale, scales_shape])]
+        rows_out = tape.op(
+            "GatherBlockQuantized",
+            inputs + ([zero] if zero is not None else []),
+            attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": block_size, "bits": bits},
+            domain="com.microsoft",
+        )
+        graph.insert_before(node, tape.nodes)
+        take_over(node.outputs[0], rows_out)
+        graph.remove(node, safe=True)
+    graph.initializers.pop(table.name)
+    model.opset_imports.setdefault("com.microsoft", 1)
+
+
+def _is_row_gather(node: ir.Node) -> bool:
+    axis = node.attributes.get("axis")
+    return node.op_type == "Gather" and node.domain == "" and (axis is None or axis.as_int() == 0)
 
 
 def _output_projection(graph: ir.Graph) -> ir.Node | None:
@@ -152,41 +232,96 @@ def quantize_blocks(weight: np.ndarray, block_size: int, symmetric: bool, bits: 
     """weight [K, N] → (packed uint8 [N, blocks, block_size*bits/8], scales [N*blocks], offsets [N*blocks] or None).
     Dequantized value = (q - 2**(bits-1)) · scale + offset (MatMulNBits' default zero point, plus an offset for
     asymmetric blocks). 8 bits are symmetric: absmax/127 per block, exact for a GGUF Q8_0 block."""
-    k, n = weight.shape
-    blocks = -(-k // block_size)
-    padded = np.zeros((blocks * block_size, n), np.float32)
-    padded[:k] = weight
-    x = padded.T.reshape(n, blocks, block_size).astype(np.float64)
+    x = _blocks(weight, block_size)
     if bits == 8:
         scale = np.abs(x).max(-1, keepdims=True) / 127
         scale[scale == 0] = 1
         q = (np.clip(np.rint(x / scale), -128, 127) + 128).astype(np.uint8)
         return q, scale.astype(np.float32).reshape(-1), None
+    scale, low, _ = _grid(x, symmetric)
     if symmetric:
-        scale = np.abs(x).max(-1, keepdims=True) / 7
-        scale[scale == 0] = 1
         q = np.clip(np.rint(x / scale), -8, 7) + 8
         offsets = None
     else:
-        low, high = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
-
-        def on_grid(step: np.ndarray) -> np.ndarray:
-            ratio = (x - low) / np.where(step == 0, 1, step)
-            return (step > 0) & (np.abs(ratio - np.rint(ratio)) < 1e-3).all(-1, keepdims=True)
-
-        # a block already on a grid of ≤ 16 levels (a dequantized Q4 block) keeps that grid's step: exact
-        scale = (high - low) / 15
-        found = on_grid(scale)
-        for levels in range(14, 0, -1):
-            step = (high - low) / levels
-            hit = ~found & on_grid(step)
-            scale, found = np.where(hit, step, scale), found | hit
-        scale[scale == 0] = 1
         q = np.clip(np.rint((x - low) / scale), 0, 15)
         offsets = (low + 8 * scale).astype(np.float32).reshape(-1)
+    return _pack(q), scale.astype(np.float32).reshape(-1), offsets
+
+
+def _grid(x: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per block of x [N, blocks, block_size]: (step, lowest value, whether the block is already exactly on that
+    grid). A block already on a grid of ≤ 16 levels — a dequantized GGUF Q4 block, or one GPTQ rounded — keeps that
+    grid's step (exact); any other gets round to nearest: absmax/7 (symmetric, levels -8..7) or (max - min)/15."""
+    if symmetric:
+        low = np.zeros(x.shape[:-1] + (1,))
+        top = np.abs(x).max(-1, keepdims=True)
+        candidates = [(top / levels, levels) for levels in (7, 8, 6, 5, 4, 3, 2, 1)]  # 8: a grid reaching -8
+    else:
+        low = x.min(-1, keepdims=True)
+        candidates = [((x.max(-1, keepdims=True) - low) / levels, levels) for levels in range(15, 0, -1)]
+    scale, found = candidates[0][0], np.zeros(low.shape, bool)
+    for step, _ in candidates:
+        ratio = (x - low) / np.where(step == 0, 1, step)
+        hit = ~found & (step > 0) & (np.abs(ratio - np.rint(ratio)) < 1e-3).all(-1, keepdims=True)
+        if symmetric:  # the levels must fit -8..7
+            hit &= (np.rint(ratio) >= -8).all(-1, keepdims=True) & (np.rint(ratio) <= 7).all(-1, keepdims=True)
+        scale, found = np.where(hit, step, scale), found | hit
+    scale = np.where(scale == 0, 1, scale)
+    return scale, low, found | (x == 0).all(-1, keepdims=True)
+
+
+def quantize_weight(weight: np.ndarray, block_size: int, symmetric: bool):
+    """The 4-bit form a MatMul weight [K, N] is stored in: (packed, scales, offsets or None, zero points or None).
+    Symmetric: MatMulNBits' default zero point 8. Asymmetric blocks that are all on grids keep them exactly: with
+    integer zero points where each grid holds 0 at an integer level (GPTQ's), else with float offsets (a Q4_1
+    block's minimum is no multiple of its step); other weights get min/max round to nearest with integer zero
+    points — the form ONNX Runtime's kernels read fastest."""
+    if symmetric:
+        return (*quantize_blocks(weight, block_size, True), None)
+    x = _blocks(weight, block_size)
+    scale, low, found = _grid(x, symmetric=False)
+    if not found.all():
+        packed, scales, zero_points = quantize_blocks_zero_point(weight, block_size)
+        return packed, scales, None, zero_points
+    zero = -low / scale
+    if (np.abs(zero - np.rint(zero)) < 1e-3).all() and (np.rint(zero) >= 0).all() and (np.rint(zero) <= 15).all():
+        q = np.clip(np.rint(x / scale + np.rint(zero)), 0, 15)
+        zero_points = np.rint(zero)[..., 0].astype(np.uint8)
+        if zero_points.shape[1] % 2:
+            zero_points = np.pad(zero_points, ((0, 0), (0, 1)))
+        return _pack(q), scale.astype(np.float32).reshape(-1), None, _pack(zero_points)
+    return (*quantize_blocks(weight, block_size, False), None)
+
+
+def quantize_blocks_zero_point(weight: np.ndarray, block_size: int):
+    """4-bit min/max round to nearest with an integer zero point per block (the form ``GatherBlockQuantized`` and
+    the fast MatMulNBits kernels read): weight [K, N] → (packed [N, blocks, block_size/2], scales [N*blocks],
+    zero points [N, ceil(blocks/2)] packed two per byte). Dequantized value = (q - zero_point) · scale."""
+    x = _blocks(weight, block_size)
+    low, high = np.minimum(x.min(-1, keepdims=True), 0), np.maximum(x.max(-1, keepdims=True), 0)
+    scale = (high - low) / 15
+    scale[scale == 0] = 1
+    zero_point = np.clip(np.rint(-low / scale), 0, 15)
+    q = np.clip(np.rint(x / scale) + zero_point, 0, 15)
+    zero_point = zero_point[..., 0].astype(np.uint8)
+    if zero_point.shape[1] % 2:
+        zero_point = np.pad(zero_point, ((0, 0), (0, 1)))
+    return _pack(q), scale.astype(np.float32).reshape(-1), _pack(zero_point)
+
+
+def _blocks(weight: np.ndarray, block_size: int) -> np.ndarray:
+    """weight [K, N] → float64 [N, blocks, block_size], the last block padded with zeros."""
+    k, n = weight.shape
+    blocks = -(-k // block_size)
+    padded = np.zeros((blocks * block_size, n), np.float32)
+    padded[:k] = weight
+    return padded.T.reshape(n, blocks, block_size).astype(np.float64)
+
+
+def _pack(q: np.ndarray) -> np.ndarray:
+    """Two 4-bit values per byte along the last axis, low nibble first."""
     q = q.astype(np.uint8)
-    packed = q[..., 0::2] | (q[..., 1::2] << 4)
-    return packed, scale.astype(np.float32).reshape(-1), offsets
+    return q[..., 0::2] | (q[..., 1::2] << 4)
 
 
 def _constant(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
@@ -213,11 +348,18 @@ def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_le
         bits = 8 if node is output_layer else 4
         # the offset product needs whole blocks and a known input rank; otherwise the weight is symmetric
         whole = k % block_size == 0 and rank in (2, 3)
-        packed, scales, offsets = quantize_blocks(array, block_size, symmetric or not whole, bits)
+        if bits == 8:
+            packed, scales, offsets, zero_points = *quantize_blocks(array, block_size, True, bits=8), None
+        else:
+            packed, scales, offsets, zero_points = quantize_weight(array, block_size, symmetric or not whole)
+        inputs = [x, _constant(graph, f"{weight.name}.q{bits}", packed)]
+        inputs.append(_constant(graph, f"{weight.name}.scales", scales))
+        if zero_points is not None:
+            inputs.append(_constant(graph, f"{weight.name}.zero_points", zero_points))
         tape = ir.tape.Tape(graph_like=graph)
         result = tape.op(
             "MatMulNBits",
-            [x, _constant(graph, f"{weight.name}.q{bits}", packed), _constant(graph, f"{weight.name}.scales", scales)],
+            inputs,
             # the 8-bit lm_head always computes with int8 activations (level 4): ONNX Runtime has no fast fp32 kernel
             # for 8-bit weights (SmolLM2's lm_head alone takes 85 ms a step at level 1)
             attributes={

@@ -101,6 +101,8 @@ def test_int4_build_of_a_q4_source_is_lossless(q4_source, tmp_path):
     graph = onnx.load(str(tmp_path / "int4.edgec" / "model.onnx"), load_external_data=False).graph
     ops = [n.op_type for n in graph.node]
     assert ops.count("MatMulNBits") >= 4 and ops.count("GatherBlockQuantized") == 1
+    # the tied table is stored once, at 8 bits, read by the gather and the lm_head
+    assert sum(i.name.endswith(".q8") for i in graph.initializer) == 1
     # the only float products left add back the per-block offsets of the asymmetric int4 weights
     assert all(n.input[1].endswith(".offsets") for n in graph.node if n.op_type == "MatMul")
     ids = np.random.default_rng(5).integers(0, 384, 80).tolist()
@@ -121,3 +123,39 @@ def test_weight_options_are_checked(tiny_llama, tmp_path):
     with pytest.raises(BuildSettingsError, match="--block-size"):
         build(tiny_llama, tmp_path / "c", BuildSettings(weights="int4", block_size=48))
     assert not any(tmp_path.iterdir())
+
+
+def test_zero_point_blocks_round_to_nearest():
+    rng = np.random.default_rng(6)
+    weight = (rng.standard_normal((96, 5)) + 0.5).astype(np.float32)
+    packed, scales, zero_points = int4.quantize_blocks_zero_point(weight, 32)
+    q = np.stack([packed & 15, packed >> 4], -1).reshape(5, 3, 32).astype(np.float64)
+    zero = np.stack([zero_points & 15, zero_points >> 4], -1).reshape(5, -1)[:, :3, None]
+    step = scales.reshape(5, 3, 1)
+    restored = ((q - zero) * step).reshape(5, 96).T
+    assert (np.abs(restored - weight) <= np.repeat(step[..., 0], 32, 1).T / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_tied_embedding_is_one_shared_4_bit_table(tmp_path, tiny_tokenizer, symmetric):
+    from tests.conftest import make_llama_folder
+
+    folder = make_llama_folder(tmp_path / "tied", tiny_tokenizer, seed=7, tie_word_embeddings=True)
+    settings = dict(context=64, prefill_chunk=16)
+    build(folder, tmp_path / "fp32.edgec", BuildSettings(**settings))
+    options = dict(weights="int4", symmetric=symmetric, accuracy_level=1, embedding_bits=4)
+    quantized = build(folder, tmp_path / "q.edgec", BuildSettings(**settings, **options))
+    import onnx
+
+    graph = onnx.load(str(tmp_path / "q.edgec" / "model.onnx"), load_external_data=False).graph
+    gather = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
+    reshape = next(n for n in graph.node if n.output[0] == gather.input[0])
+    # the gather reads the lm_head's packed weight (through a Reshape): one table in the file
+    assert any(n.op_type == "MatMulNBits" and n.input[1] == reshape.input[0] for n in graph.node)
+    tables = [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2]
+    assert all(name.endswith((".offsets", "_cache")) for name in tables)  # no float copy of the table is left
+    ids = np.random.default_rng(8).integers(0, 384, 48).tolist()
+    a, b = Model.load(tmp_path / "fp32.edgec"), Model.load(tmp_path / "q.edgec")
+    # 4-bit RTN of every N(0, 0.15) weight of a tiny random model moves log-probabilities, but they stay related
+    assert np.corrcoef(a.logprobs(ids), b.logprobs(ids))[0, 1] > 0.8
+    assert quantized.manifest["build_settings"]["embedding_bits"] == 4
