@@ -30,6 +30,12 @@ import models  # noqa: E402
 OUT = models.OUT
 PRECISION = "int4" if "int4" in sys.argv else "fp32"  # chosen before the runners are defined (also for workers)
 EDGEC_BUNDLE = OUT / f"smollm2-cpu-{PRECISION}.edgec"
+# int4 variants of the edgec build, each its own runner: runner name → (bundle, extra `edgec build` flags)
+EDGEC_VARIANTS = {
+    "edgec": (EDGEC_BUNDLE, []),
+    "edgec-qdq": (OUT / "smollm2-cpu-int4-qdq.edgec", ["--int4-form", "qdq"]),
+    "edgec-gptq": (OUT / "smollm2-cpu-int4-gptq.edgec", ["--quant-method", "gptq", "--embedding-bits", "4"]),
+}
 GENAI_MODEL = OUT / f"genai-{PRECISION}"
 CONTEXT = 2048  # enough for the 1024-token prompt + 64 new tokens; genai sizes its cache to max_length likewise
 
@@ -55,22 +61,14 @@ def run_measured(command: list[str]) -> tuple[float, float]:
     return float(seconds), int(rss_kb) / 2**20
 
 
-def prepare(threads: int) -> dict:
+def prepare(threads: int, names: list[str]) -> dict:
     builds = {}
-    if not (EDGEC_BUNDLE / "manifest.json").exists():
-        builds["edgec"] = run_measured(
-            [
-                "edgec",
-                "build",
-                str(models.smollm2_gguf()),
-                "-o",
-                str(EDGEC_BUNDLE),
-                "--context",
-                str(CONTEXT),
-                "--weights",
-                PRECISION,
-            ]
-        )
+    for name in names:
+        bundle, flags = EDGEC_VARIANTS.get(name, (None, []))
+        if bundle is None or (bundle / "manifest.json").exists():
+            continue
+        command = ["edgec", "build", str(models.smollm2_gguf()), "-o", str(bundle), "--context", str(CONTEXT)]
+        builds[name] = run_measured([*command, "--weights", PRECISION, *flags])
     if not (GENAI_MODEL / "genai_config.json").exists():
         hf = models.smollm2_hf_folder()
         builds["onnxruntime-genai"] = run_measured(
@@ -101,11 +99,12 @@ def prepare(threads: int) -> dict:
 
 class EdgecRunner:
     name = f"edgec {PRECISION}"
+    variant = "edgec"
 
     def __init__(self, threads: int) -> None:
         from edgec.runtime import Model
 
-        self.model = Model.load(EDGEC_BUNDLE, threads=threads)
+        self.model = Model.load(EDGEC_VARIANTS[self.variant][0], threads=threads)
 
     def run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
         start = time.perf_counter()
@@ -166,7 +165,21 @@ class TorchRunner:
             return prefilled - start, new_tokens / (time.perf_counter() - prefilled)
 
 
-RUNNERS = {"edgec": EdgecRunner, "genai": GenaiRunner, "torch": TorchRunner}
+class EdgecQdqRunner(EdgecRunner):
+    name, variant = "edgec int4 DequantizeLinear+MatMul", "edgec-qdq"
+
+
+class EdgecGptqRunner(EdgecRunner):
+    name, variant = "edgec int4 gptq, zero points, 4-bit table", "edgec-gptq"
+
+
+RUNNERS = {
+    "edgec": EdgecRunner,
+    "edgec-qdq": EdgecQdqRunner,
+    "edgec-gptq": EdgecGptqRunner,
+    "genai": GenaiRunner,
+    "torch": TorchRunner,
+}
 
 
 def prompt_ids(length: int) -> list[int]:
@@ -242,7 +255,7 @@ def plot(results: dict, path: Path) -> None:
     axes[0].set_xticks(np.arange(len(lengths)) + width * (len(names) - 1) / 2, [f"prompt {n}" for n in lengths])
     axes[0].set_ylabel("decode tokens / s: median, min–max over rounds")
     axes[0].legend(fontsize=8)
-    axes[1].bar(names, [results["peak_rss_gb"][name] for name in names], color=["C0", "C1", "C2"][: len(names)])
+    axes[1].bar(names, [results["peak_rss_gb"][name] for name in names], color=[f"C{i}" for i in range(len(names))])
     axes[1].set_ylabel("peak RSS, GB (lower is better)")
     axes[1].tick_params(axis="x", labelsize=7)
     fig.suptitle(f"SmolLM2-135M {PRECISION}, {results['threads']} threads, {results['machine']}, {results['date']}")
@@ -268,7 +281,7 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     names = args.runtimes.split(",")
     lengths = [int(n) for n in args.lengths.split(",")]
-    builds = prepare(args.threads)
+    builds = prepare(args.threads, names)
     results = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "date": date.today().isoformat(),

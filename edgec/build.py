@@ -50,6 +50,7 @@ class BuildSettings:
     embedding_bits: int = 8  # int4: the (tied, stored once) embedding table: 8 = exact for a GGUF's Q8_0, 4 = smaller
     quant_method: str = "rtn"  # int4: rtn (round to nearest) or gptq (calibrated: error-compensating rounding)
     calib: str | None = None  # gptq: calibration text file; None = Python's own pydoc_data.topics
+    int4_form: str | None = None  # matmulnbits (ONNX Runtime only) or qdq (portable); None = the target's
     allow_pickle: bool = False
     overwrite: bool = False
 
@@ -86,7 +87,7 @@ def _check_settings(settings: BuildSettings) -> Target:
     return target
 
 
-BUILDABLE_WEIGHTS = ("fp32", "fp16", "int4")
+BUILDABLE_WEIGHTS = ("fp32", "fp16", "int8", "int4")
 QUANT_METHODS = ("rtn", "gptq")
 
 
@@ -111,9 +112,15 @@ def pass_plan(
         raise BuildSettingsError(f"--quant-method must be one of {known}, got {settings.quant_method}")
     if settings.quant_method != "rtn" and weights != "int4":
         raise BuildSettingsError(f"--quant-method {settings.quant_method} needs --weights int4 (got {weights})")
-    if settings.quant_method == "gptq" and target.runtime not in ("ort-cpu", "ort-cuda"):
+    ort = target.runtime in ("ort-cpu", "ort-cuda")
+    form = settings.int4_form or ("matmulnbits" if ort else "qdq")
+    if form not in ("matmulnbits", "qdq") or (form == "matmulnbits" and not ort):
+        allowed = "matmulnbits or qdq" if ort else "qdq"
+        raise BuildSettingsError(f"--int4-form for {target.name} ({target.runtime}) is {allowed}, got {form}")
+    if settings.quant_method == "gptq" and form != "matmulnbits":
         raise BuildSettingsError(
-            f"--quant-method gptq needs an ONNX Runtime target (MatMulNBits weights); {target.name} is {target.runtime}"
+            "--quant-method gptq needs the MatMulNBits form (an ONNX Runtime target, --int4-form matmulnbits); "
+            f"{target.name} builds {form}"
         )
     if settings.calib is not None and settings.quant_method == "rtn":
         raise BuildSettingsError("--calib is for a calibrated --quant-method (gptq); rtn needs no calibration text")
@@ -123,8 +130,12 @@ def pass_plan(
     if weights == "fp16" and "float16" not in names:
         names.append("float16")
     options: dict[str, dict] = {}
+    if weights == "int8":
+        if not ort:
+            raise BuildSettingsError(f"--weights int8 is built for ONNX Runtime targets only, not {target.name}")
+        names.append("int8_weights")
+        options["int8_weights"] = {"block_size": settings.block_size, "accuracy_level": settings.accuracy_level}
     if weights == "int4":
-        form = "matmulnbits" if target.runtime in ("ort-cpu", "ort-cuda") else "qdq"
         names.insert(names.index("float16") if "float16" in names else len(names), "int4_weights")
         options["int4_weights"] = {
             "block_size": settings.block_size,

@@ -82,6 +82,11 @@ def main() -> None:
     help="int4: rtn (round to nearest) or gptq (calibrated on text; a few minutes on CPU for 135M).",
 )
 @click.option("--calib", default=None, help="gptq: calibration text file [default: Python's pydoc_data.topics].")
+@click.option(
+    "--int4-form",
+    default=None,
+    help="int4: matmulnbits (ONNX Runtime's kernel) or qdq (standard DequantizeLinear + MatMul) [default: target's].",
+)
 @click.option("--allow-pickle", is_flag=True, help="Accept pickle (*.bin) weights; pickle can run arbitrary code.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at -o.")
 def build(
@@ -105,6 +110,7 @@ def build(
     embedding_bits,
     quant_method,
     calib,
+    int4_form,
     allow_pickle,
     overwrite,
 ) -> None:
@@ -138,6 +144,7 @@ def build(
         embedding_bits=embedding_bits,
         quant_method=quant_method,
         calib=calib,
+        int4_form=int4_form,
         allow_pickle=allow_pickle,
         overwrite=overwrite,
     )
@@ -333,7 +340,7 @@ def inspect(bundle) -> None:
         console.print(
             f"int4: block {settings['block_size']}, {'symmetric' if settings['symmetric'] else 'zero point'}, "
             f"accuracy level {settings['accuracy_level']}, embedding {settings.get('embedding_bits', 8)} bits, "
-            f"method {settings.get('quant_method', 'rtn')}"
+            f"method {settings.get('quant_method', 'rtn')}, form {settings.get('int4_form') or 'the target default'}"
             + (f" (calibration text {settings['calib']})" if settings.get("calib") else "")
         )
     console.print(

@@ -15,6 +15,7 @@ from edgec.passes.float16 import float16
 from edgec.passes.fuse_projections import fuse_projections
 from edgec.passes.inline_functions import inline_functions
 from edgec.passes.int4_weights import int4_weights
+from edgec.passes.int8_weights import int8_weights
 from edgec.passes.kv_attention_gqa import kv_attention_gqa
 from edgec.passes.kv_cache import kv_cache
 from edgec.passes.skip_rms_norm import skip_rms_norm
@@ -28,6 +29,7 @@ PASSES: dict[str, Callable[[ir.Model], int]] = {
     "fuse_projections": fuse_projections,
     "inline_functions": inline_functions,
     "int4_weights": int4_weights,
+    "int8_weights": int8_weights,
     "kv_attention_gqa": kv_attention_gqa,
     "kv_cache": kv_cache,
     "skip_rms_norm": skip_rms_norm,

@@ -47,7 +47,7 @@ def int4_weights(
     portable = form == "qdq"
     if not portable:
         _shared_embedding(model, block_size, symmetric, accuracy_level, embedding_bits)
-        _matmul_nbits(model, block_size, symmetric, accuracy_level)
+        _matmul_nbits(model, block_size, symmetric, accuracy_level, bits=4)
         _gather_block_quantized(model, block_size)
         return sum(node.op_type in ("MatMulNBits", "GatherBlockQuantized") for node in model.graph)
     config = quantizer.DefaultWeightOnlyQuantConfig(
@@ -331,7 +331,9 @@ def _constant(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
     return value
 
 
-def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_level: int) -> None:
+def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_level: int, bits: int) -> None:
+    """Every MatMul with a constant fp32 weight → MatMulNBits at ``bits`` (the lm_head at 8)."""
+    weight_bits = bits
     graph = model.graph
     output_layer = _output_projection(graph)
     for node in list(graph):
@@ -345,7 +347,7 @@ def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_le
         x = node.inputs[0]
         rank = len(x.shape) if x.shape is not None else 0
         # the lm_head (like the embedding) is the most sensitive matrix: 8 bits (GGUFs keep it at Q8_0 or better)
-        bits = 8 if node is output_layer else 4
+        bits = 8 if node is output_layer else weight_bits
         # the offset product needs whole blocks and a known input rank; otherwise the weight is symmetric
         whole = k % block_size == 0 and rank in (2, 3)
         if bits == 8:

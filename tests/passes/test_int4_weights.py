@@ -116,8 +116,8 @@ def test_int4_build_of_a_q4_source_is_lossless(q4_source, tmp_path):
 
 
 def test_weight_options_are_checked(tiny_llama, tmp_path):
-    with pytest.raises(BuildSettingsError, match="int8 cannot be built yet"):
-        build(tiny_llama, tmp_path / "a", BuildSettings(weights="int8"))
+    with pytest.raises(BuildSettingsError, match="int8 is built for ONNX Runtime targets only"):
+        build(tiny_llama, tmp_path / "a", BuildSettings(target="rtx3060", weights="int8"))
     with pytest.raises(BuildSettingsError, match="rtx3060 has no fp8 weights"):
         build(tiny_llama, tmp_path / "b", BuildSettings(target="rtx3060", weights="fp8"))
     with pytest.raises(BuildSettingsError, match="--block-size"):

@@ -1,0 +1,29 @@
+"""Weight-only INT8: every MatMul with a constant weight → ``com.microsoft::MatMulNBits`` with 8-bit blocks
+(absmax/127 per block: exact for a GGUF's Q8_0 blocks), the tied embedding table stored once at 8 bits and read
+by ``GatherBlockQuantized``. ONNX Runtime only. Activations are quantized to int8 per block inside the kernel
+(accuracy level 4): its fp32-activation path for 8-bit weights is many times slower (see docs/BENCHMARKS.md).
+The same machinery as ``int4_weights``; only the bit width differs."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from edgec.passes.int4_weights import (
+    _gather_block_quantized,
+    _materialize_transposed_weights,
+    _matmul_nbits,
+    _shared_embedding,
+)
+
+BLOCK_SIZES = (32, 64, 128)
+
+
+def int8_weights(model: ir.Model, block_size: int = 32, accuracy_level: int = 4) -> int:
+    """Rewrite in place; returns how many weights were quantized."""
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {BLOCK_SIZES}")
+    _materialize_transposed_weights(model)
+    _shared_embedding(model, block_size, symmetric=True, accuracy_level=4, bits=8)
+    _matmul_nbits(model, block_size, symmetric=True, accuracy_level=accuracy_level, bits=8)
+    _gather_block_quantized(model, block_size)
+    return sum(node.op_type in ("MatMulNBits", "GatherBlockQuantized") for node in model.graph)
