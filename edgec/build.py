@@ -87,7 +87,7 @@ def _check_settings(settings: BuildSettings) -> Target:
     return target
 
 
-BUILDABLE_WEIGHTS = ("fp32", "fp16", "int8", "int4")
+BUILDABLE_WEIGHTS = ("fp32", "fp16", "fp8", "int8", "int4")
 QUANT_METHODS = ("rtn", "gptq")
 
 
@@ -97,6 +97,11 @@ def pass_plan(
     """The passes this build runs (the target's, adjusted for the weight format and the compressed cache),
     their options, and the weight format."""
     weights = settings.weights or target.defaults.get("weights", "fp32")
+    if weights == "fp8" and weights not in target.dtypes:
+        raise BuildSettingsError(
+            f"--weights fp8 needs FP8 tensor cores (compute capability 8.9+: rtx4090, l40s, rtx5090); "
+            f"{target.name} has none — use int8 or int4"
+        )
     if weights not in target.dtypes:
         raise BuildSettingsError(f"{target.name} has no {weights} weights; it has {', '.join(target.dtypes)}")
     if weights not in BUILDABLE_WEIGHTS:
@@ -130,6 +135,8 @@ def pass_plan(
     if weights == "fp16" and "float16" not in names:
         names.append("float16")
     options: dict[str, dict] = {}
+    if weights == "fp8":  # before the fp16 conversion, and before MatMuls with constant weights become Gemms
+        names.insert(names.index("fuse_projections") + 1 if "fuse_projections" in names else 0, "fp8")
     if weights == "int8":
         if not ort:
             raise BuildSettingsError(f"--weights int8 is built for ONNX Runtime targets only, not {target.name}")

@@ -36,7 +36,7 @@ def main() -> None:
 @click.option("--prefill-chunk", type=int, default=None, help="Prompt tokens per prefill step [default: target's].")
 @click.option(
     "--weights",
-    type=click.Choice(["fp32", "fp16", "int8", "int4"]),
+    type=click.Choice(["fp32", "fp16", "fp8", "int8", "int4"]),
     default=None,
     help="Weight format [default: the target's].",
 )

@@ -12,6 +12,7 @@ import onnx_ir as ir
 from edgec.errors import BuildSettingsError
 from edgec.passes.expand_function_ops import expand_function_ops
 from edgec.passes.float16 import float16
+from edgec.passes.fp8 import fp8
 from edgec.passes.fuse_projections import fuse_projections
 from edgec.passes.inline_functions import inline_functions
 from edgec.passes.int4_weights import int4_weights
@@ -26,6 +27,7 @@ from edgec.passes.transposed_weight_gemm import transposed_weight_gemm
 PASSES: dict[str, Callable[[ir.Model], int]] = {
     "expand_function_ops": expand_function_ops,
     "float16": float16,
+    "fp8": fp8,
     "fuse_projections": fuse_projections,
     "inline_functions": inline_functions,
     "int4_weights": int4_weights,

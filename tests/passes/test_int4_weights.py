@@ -118,7 +118,7 @@ def test_int4_build_of_a_q4_source_is_lossless(q4_source, tmp_path):
 def test_weight_options_are_checked(tiny_llama, tmp_path):
     with pytest.raises(BuildSettingsError, match="int8 is built for ONNX Runtime targets only"):
         build(tiny_llama, tmp_path / "a", BuildSettings(target="rtx3060", weights="int8"))
-    with pytest.raises(BuildSettingsError, match="rtx3060 has no fp8 weights"):
+    with pytest.raises(BuildSettingsError, match="fp8 needs FP8 tensor cores"):
         build(tiny_llama, tmp_path / "b", BuildSettings(target="rtx3060", weights="fp8"))
     with pytest.raises(BuildSettingsError, match="--block-size"):
         build(tiny_llama, tmp_path / "c", BuildSettings(weights="int4", block_size=48))
