@@ -34,7 +34,10 @@ EDGEC_BUNDLE = OUT / f"smollm2-cpu-{PRECISION}.edgec"
 EDGEC_VARIANTS = {
     "edgec": (EDGEC_BUNDLE, []),
     "edgec-qdq": (OUT / "smollm2-cpu-int4-qdq.edgec", ["--int4-form", "qdq"]),
-    "edgec-gptq": (OUT / "smollm2-cpu-int4-gptq.edgec", ["--quant-method", "gptq", "--embedding-bits", "4"]),
+    "edgec-gptq": (
+        OUT / "smollm2-cpu-int4-gptq.edgec",
+        ["--quant-method", "gptq", "--block-size", "64", "--embedding-bits", "4"],
+    ),
 }
 GENAI_MODEL = OUT / f"genai-{PRECISION}"
 CONTEXT = 2048  # enough for the 1024-token prompt + 64 new tokens; genai sizes its cache to max_length likewise
@@ -170,7 +173,7 @@ class EdgecQdqRunner(EdgecRunner):
 
 
 class EdgecGptqRunner(EdgecRunner):
-    name, variant = "edgec int4 gptq, zero points, 4-bit table", "edgec-gptq"
+    name, variant = "edgec int4 gptq block 64, zero points, 4-bit table", "edgec-gptq"
 
 
 RUNNERS = {

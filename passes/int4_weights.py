@@ -266,6 +266,8 @@ def _grid(x: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.nd
         if symmetric:  # the levels must fit -8..7
             hit &= (np.rint(ratio) >= -8).all(-1, keepdims=True) & (np.rint(ratio) <= 7).all(-1, keepdims=True)
         scale, found = np.where(hit, step, scale), found | hit
+        if found.all():
+            break
     scale = np.where(scale == 0, 1, scale)
     return scale, low, found | (x == 0).all(-1, keepdims=True)
 
@@ -290,7 +292,8 @@ def quantize_weight(weight: np.ndarray, block_size: int, symmetric: bool):
         if zero_points.shape[1] % 2:
             zero_points = np.pad(zero_points, ((0, 0), (0, 1)))
         return _pack(q), scale.astype(np.float32).reshape(-1), None, _pack(zero_points)
-    return (*quantize_blocks(weight, block_size, False), None)
+    q = np.clip(np.rint((x - low) / scale), 0, 15)
+    return _pack(q), scale.astype(np.float32).reshape(-1), (low + 8 * scale).astype(np.float32).reshape(-1), None
 
 
 def quantize_blocks_zero_point(weight: np.ndarray, block_size: int):
