@@ -89,14 +89,21 @@ def linear_layers(causal_lm: torch.nn.Module, block_size: int) -> dict[str, torc
 
 
 def input_hessians(causal_lm: torch.nn.Module, layers: dict[str, torch.nn.Linear], windows: list[torch.Tensor]):
-    """H = Σ x xᵀ / n over every token each layer sees, from forward passes of the unquantized model."""
+    """H = Σ x xᵀ / n over every token each layer sees, from forward passes of the unquantized model. Layers fed
+    the same tensor (q/k/v, gate/up) share one H: the products, not the forward passes, are most of the cost."""
     hessians = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in layers.items()}
     counts = dict.fromkeys(layers, 0)
+    same_input: dict[str, str] = {}  # layer → the earlier layer that saw the very same input tensor
+    last = {"input": None, "name": ""}
 
     def hook(name):
         def accumulate(module, inputs, output):
-            x = inputs[0].detach().reshape(-1, module.in_features).to(torch.float64)
-            hessians[name] += x.T @ x
+            if inputs[0] is last["input"]:
+                same_input[name] = same_input.get(last["name"], last["name"])
+                return
+            last["input"], last["name"] = inputs[0], name
+            x = inputs[0].detach().reshape(-1, module.in_features).float()
+            hessians[name] += (x.T @ x).double()  # fp32 product, fp64 sum over windows
             counts[name] += len(x)
 
         return accumulate
@@ -109,7 +116,8 @@ def input_hessians(causal_lm: torch.nn.Module, layers: dict[str, torch.nn.Linear
     finally:
         for handle in handles:
             handle.remove()
-    return {name: h / max(counts[name], 1) for name, h in hessians.items()}
+    averaged = {name: h / max(counts[name], 1) for name, h in hessians.items() if counts[name]}
+    return {name: averaged[same_input.get(name, name)] for name in layers}
 
 
 def gptq(
