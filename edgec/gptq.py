@@ -109,10 +109,11 @@ def input_hessians(causal_lm: torch.nn.Module, layers: dict[str, torch.nn.Linear
         return accumulate
 
     handles = [module.register_forward_hook(hook(name)) for name, module in layers.items()]
+    body = getattr(causal_lm, causal_lm.base_model_prefix, causal_lm)  # the decoder without the lm_head: no logits
     try:
         with torch.no_grad():
             for ids in windows:
-                causal_lm(ids[None])
+                body(ids[None])
     finally:
         for handle in handles:
             handle.remove()
