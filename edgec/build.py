@@ -264,6 +264,7 @@ def _build_into(
             settings.symmetric,
             settings.calib,
             report=lambda done, total: progress("calibrate", done, total),
+            with_output=settings.embedding_bits == 4,  # the lm_head (tied: the embedding) is then 4-bit too
         )
         timings["calibrate_s"] = time.perf_counter() - start
 

@@ -78,13 +78,16 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, block_size: int, sy
     return rounded.to(weight.dtype)
 
 
-def linear_layers(causal_lm: torch.nn.Module, block_size: int) -> dict[str, torch.nn.Linear]:
-    """The Linear layers GPTQ rounds: all but the output projection, whose input channels fill whole blocks."""
+def linear_layers(causal_lm: torch.nn.Module, block_size: int, with_output: bool) -> dict[str, torch.nn.Linear]:
+    """The Linear layers GPTQ rounds, whose input channels fill whole blocks: the output projection (lm_head, the
+    embedding table when tied) only ``with_output`` — when the int4 pass stores it at 4 bits too."""
     output = causal_lm.get_output_embeddings()
     return {
         name: module
         for name, module in causal_lm.named_modules()
-        if isinstance(module, torch.nn.Linear) and module is not output and module.in_features % block_size == 0
+        if isinstance(module, torch.nn.Linear)
+        and (with_output or module is not output)
+        and module.in_features % block_size == 0
     }
 
 
@@ -110,10 +113,15 @@ def input_hessians(causal_lm: torch.nn.Module, layers: dict[str, torch.nn.Linear
 
     handles = [module.register_forward_hook(hook(name)) for name, module in layers.items()]
     body = getattr(causal_lm, causal_lm.base_model_prefix, causal_lm)  # the decoder without the lm_head: no logits
+    output = next((name for name, m in layers.items() if m is causal_lm.get_output_embeddings()), None)
     try:
         with torch.no_grad():
             for ids in windows:
-                body(ids[None])
+                hidden = body(ids[None])[0]
+                if output is not None:  # the lm_head's input is the body's output
+                    x = hidden.reshape(-1, hidden.shape[-1]).float()
+                    hessians[output] += (x.T @ x).double()
+                    counts[output] += len(x)
     finally:
         for handle in handles:
             handle.remove()
@@ -128,12 +136,13 @@ def gptq(
     symmetric: bool,
     calib: str | Path | None = None,
     report: Report | None = None,
+    with_output: bool = False,
 ) -> int:
     """Round the model's Linear weights in place with GPTQ; returns how many layers were rounded."""
     report = report or (lambda done, total: None)
     ids = torch.tensor(tokenizer(calibration_text(calib))["input_ids"], dtype=torch.long)
     windows = [ids[i * WINDOW : (i + 1) * WINDOW] for i in range(min(WINDOWS, len(ids) // WINDOW))] or [ids]
-    layers = linear_layers(causal_lm, block_size)
+    layers = linear_layers(causal_lm, block_size, with_output)
     report(0, len(layers) + 1)
     hessians = input_hessians(causal_lm, layers, windows)
     report(1, len(layers) + 1)

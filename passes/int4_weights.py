@@ -127,7 +127,10 @@ def _shared_embedding(model: ir.Model, block_size: int, symmetric: bool, accurac
         packed, scales, _ = quantize_blocks(array, block_size, symmetric=True)
         gather_zero_points = None  # GatherBlockQuantized's default for 4 bits is 8, like MatMulNBits'
     else:
-        packed, scales, zero_points = quantize_blocks_zero_point(array, block_size)
+        # grid-aware (a table GPTQ rounded is carried exactly), in the integer-zero-point form both kernels read
+        packed, scales, offsets, zero_points = quantize_weight(array, block_size, symmetric=False)
+        if offsets is not None:  # on grids, but not with integer zero points (a Q4_1 table): round to nearest
+            packed, scales, zero_points = quantize_blocks_zero_point(array, block_size)
         gather_zero_points = zero_points
     data = _constant(graph, f"{table.name}.q{bits}", packed)
     scale = _constant(graph, f"{table.name}.scales", scales)
