@@ -70,7 +70,15 @@ def prepare(threads: int, names: list[str]) -> dict:
         bundle, flags = EDGEC_VARIANTS.get(name, (None, []))
         if bundle is None or (bundle / "manifest.json").exists():
             continue
-        command = ["edgec", "build", str(models.smollm2_gguf()), "-o", str(bundle), "--context", str(CONTEXT)]
+        command = [
+            str(Path(sys.executable).parent / "edgec"),
+            "build",
+            str(models.smollm2_gguf()),
+            "-o",
+            str(bundle),
+            "--context",
+            str(CONTEXT),
+        ]
         builds[name] = run_measured([*command, "--weights", PRECISION, *flags])
     if not (GENAI_MODEL / "genai_config.json").exists():
         hf = models.smollm2_hf_folder()
