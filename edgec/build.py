@@ -139,7 +139,9 @@ def pass_plan(
         names.insert(names.index("fuse_projections") + 1 if "fuse_projections" in names else 0, "fp8")
     if weights == "int8":
         if not ort:
-            raise BuildSettingsError(f"--weights int8 is built for ONNX Runtime targets only, not {target.name}")
+            raise BuildSettingsError(
+                f"--weights int8 is built for ONNX Runtime targets only (cpu, MatMulNBits), not {target.name}"
+            )
         names.append("int8_weights")
         options["int8_weights"] = {"block_size": settings.block_size, "accuracy_level": settings.accuracy_level}
     if weights == "int4":
