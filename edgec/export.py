@@ -41,14 +41,20 @@ def layer_windows(config) -> list[int]:
     return [0] * config.num_hidden_layers
 
 
-def cache_spec_for(config, capacity: int) -> CacheSpec:
-    """Slots per layer: global layers get ``capacity``; sliding-window layers never need more than their window
-    plus the longest chunk, but with no eviction yet they also take ``capacity`` (exact either way)."""
+def cache_spec_for(config, capacity: int, prefill_chunk: int | None = None) -> CacheSpec:
+    """Slots per layer: global layers get ``capacity``. A sliding-window layer needs only its window plus one
+    prefill chunk: with slot = position mod capacity the slots form a ring, and a chunk of at most
+    ``prefill_chunk`` tokens overwrites only positions that no query of that chunk can see (exact). The runtime
+    never feeds a chunk longer than the build's ``prefill_chunk``."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+    def slots(window: int) -> int:
+        return min(capacity, window + prefill_chunk) if window and prefill_chunk else capacity
+
     return CacheSpec(
         layers=tuple(
-            LayerCache(layer=i, num_kv_heads=kv_heads, head_dim=head_dim, capacity=capacity, window=window)
+            LayerCache(layer=i, num_kv_heads=kv_heads, head_dim=head_dim, capacity=slots(window), window=window)
             for i, window in enumerate(layer_windows(config))
         )
     )
@@ -61,6 +67,8 @@ class StepModule(torch.nn.Module):
         super().__init__()
         self.causal_lm = causal_lm
         self.windows = [layer.window for layer in spec.layers]
+        # Gemma 2/3 squash logits as cap * tanh(logits / cap) in the *ForCausalLM forward, which the step skips
+        self.final_softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
 
     def forward(self, input_ids, position_ids, logits_index, *caches):
         router = torch_op.CacheRouter(caches, self.windows)
@@ -68,6 +76,8 @@ class StepModule(torch.nn.Module):
             input_ids=input_ids, position_ids=position_ids, use_cache=False, edgec_cache=router
         ).last_hidden_state
         logits = self.causal_lm.lm_head(hidden.index_select(1, logits_index))
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return (logits.float(), *router.flat_new())
 
 

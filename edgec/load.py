@@ -22,9 +22,10 @@ SUPPORTED_MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",  # Gemma 3 text-only (270m, 1b); "gemma3" is the multimodal family
 }
 # GGUF general.architecture → transformers model_type (Mistral GGUFs carry the "llama" architecture)
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "phi3": "phi3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "phi3": "phi3", "gemma3": "gemma3_text"}
 # why some well-known families are refused, so the message says more than "unsupported"
 UNSUPPORTED_KINDS = {
     "mixture-of-experts": (
@@ -90,6 +91,23 @@ def check_model_type(model_type: str | None, architectures: list[str] | None = N
     )
 
 
+# config features that change the maths in ways KVAttention does not implement: refused, never ignored
+UNSUPPORTED_FEATURES = {
+    "attn_logit_softcapping": "attention logit soft-capping (Gemma 2)",
+    "use_bidirectional_attention": "bidirectional attention (an embedding model, not a decoder)",
+}
+
+
+def check_model_features(config: dict[str, Any]) -> None:
+    """Refuse a supported family configured with a feature edgec cannot compile (final logit soft-capping is
+    honoured by the traced step; attention soft-capping is not)."""
+    used = [what for key, what in UNSUPPORTED_FEATURES.items() if config.get(key)]
+    if used:
+        raise UnsupportedModelError(
+            f"this {config.get('model_type')} model uses {', '.join(used)}, which edgec does not compile yet"
+        )
+
+
 def inspect_source(path: str | Path, allow_pickle: bool = False) -> dict[str, Any]:
     """Validate a model path without loading weights; returns what kind of source it is."""
     path = Path(path)
@@ -130,6 +148,7 @@ def _inspect_folder(path: Path, allow_pickle: bool) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ModelLoadError(f"{config_path} is not valid JSON: {error}") from None
     check_model_type(config.get("model_type"), config.get("architectures"))
+    check_model_features(config)
     safetensors_files = sorted(path.glob("*.safetensors"))
     pickle_files = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt")) + sorted(path.glob("*.pth"))
     if not safetensors_files:
@@ -200,6 +219,7 @@ def load_model(path: str | Path, allow_pickle: bool = False) -> LoadedModel:
         raise ModelLoadError(f"cannot load the weights of {path} ({type(error).__name__}: {error})") from None
     config = causal_lm.config
     check_model_type(config.model_type, getattr(config, "architectures", None))
+    check_model_features(config.to_dict())
     return LoadedModel(causal_lm=causal_lm, tokenizer=tokenizer, config=config, source=_source_record(info, config))
 
 

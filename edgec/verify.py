@@ -215,9 +215,12 @@ def compare_runtimes(bundle: Path, manifest: dict, providers: list[str] | None =
 
 
 def _validation_feeds(bundle: Path, manifest: dict) -> list[dict]:
+    import onnx
+
     from edgec.kvcache.spec import CacheSpec
 
     spec = CacheSpec.from_json(manifest["cache"])
+    graph_inputs = {value.name for value in onnx.load(str(bundle / "model.onnx"), load_external_data=False).graph.input}
     stored = np.load(bundle / "validation.npz")
     feeds = []
     for index in range(manifest["validation"]["prompts"]):
@@ -232,8 +235,8 @@ def _validation_feeds(bundle: Path, manifest: dict) -> list[dict]:
         for layer in spec.layers:
             state = spec.empty_state(layer)
             for name, array in zip(layer.input_names(spec.compression), state.values(), strict=True):
-                if name.endswith(".pos") and not (spec.positions or layer.compressed):
-                    continue  # implicit where the target's lowering removed it
+                if name not in graph_inputs:
+                    continue  # a pos made implicit where the target's lowering removed it
                 feed[name] = array
         feeds.append(feed)
     return feeds

@@ -27,13 +27,15 @@ from edgec.kvcache import function as kv_function
 from edgec.passes._graph import take_over
 
 
-def kv_attention_gqa(model: ir.Model) -> int:
-    """Rewrite in place; returns how many KVAttention nodes were lowered."""
+def kv_attention_gqa(model: ir.Model, context: int | None = None) -> int:
+    """Rewrite in place; returns how many KVAttention nodes were lowered. ``context``: the longest sequence the
+    bundle runs (default: the largest cache capacity in the graph)."""
     graph = model.graph
     nodes = [node for node in graph if node.domain == kv_function.DOMAIN and node.op_type == kv_function.OP_TYPE]
-    full = max((node.inputs[4].shape[2] for node in nodes), default=0)
-    # a sliding-window layer qualifies while its slots are not a ring smaller than the context (GQA cannot wrap)
-    targets = [node for node in nodes if node.inputs[4].shape[2] == full and _pos_state_is_private(node)]
+    full = context or max((node.inputs[4].shape[2] for node in nodes), default=0)
+    # A layer whose slots are a ring smaller than the context (a sliding-window layer, export.cache_spec_for)
+    # keeps the function body: GQA writes at the cache fill (seqlens_k), so it cannot wrap around.
+    targets = [node for node in nodes if node.inputs[4].shape[2] >= full and _pos_state_is_private(node)]
     if not targets:
         return 0
     position_ids = targets[0].inputs[3]

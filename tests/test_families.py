@@ -10,7 +10,7 @@ import torch
 
 from edgec.build import BuildSettings, build
 from edgec.errors import UnsupportedModelError
-from edgec.load import check_model_type
+from edgec.load import check_model_features, check_model_type
 from edgec.runtime import Model
 
 SMALL = dict(
@@ -76,4 +76,73 @@ def test_logits_match_transformers(family, target, tmp_path):
 def test_unsupported_families_are_named(model_type, kind):
     with pytest.raises(UnsupportedModelError, match=kind) as error:
         check_model_type(model_type, ["SomethingForCausalLM"])
-    assert "llama, mistral, phi3, qwen2" in str(error.value)
+    assert "gemma3_text, llama, mistral, phi3, qwen2" in str(error.value)
+
+
+GEMMA3_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, tiny_tokenizer):
+    """Gemma 3 in miniature: QK-norm, one KV head, head dim 32 (≠ hidden/heads), sliding window 16 next to a global
+    layer, RoPE per layer type (local 10k; global 1M with linear scaling 8, as the 1B+ models have it),
+    query_pre_attn_scalar ≠ head dim, scaled and tied embeddings, and final logit soft-capping switched on."""
+    import transformers as t
+
+    config = t.Gemma3TextConfig(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(GEMMA3_LAYERS),
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        sliding_window=16,
+        layer_types=GEMMA3_LAYERS,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=3.0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+    )
+    torch.manual_seed(0)
+    model = t.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.15)
+    folder = tmp_path_factory.mktemp("gemma3") / "model"
+    model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.mark.parametrize("target", ["cpu", "cpu-portable"])
+def test_gemma3_logits_match_transformers(gemma3, target, tmp_path):
+    """60 tokens in chunks of 16: past the window (16) and past the sliding layers' ring of slots (16 + 16)."""
+    folder, model = gemma3
+    out = tmp_path / f"gemma3.{target}.edgec"
+    result = build(folder, out, BuildSettings(target=target, context=96, prefill_chunk=16))
+    layers = result.manifest["cache"]["layers"]
+    assert [(layer["window"], layer["capacity"]) for layer in layers] == [(16, 32), (16, 32), (0, 96), (16, 32)]
+    # only the global layer has a plain cache GQA can use; the rings keep the function body
+    assert result.manifest["passes"].get("kv_attention_gqa", 0) == (1 if target == "cpu" else 0)
+    runtime = Model.load(out)
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, 60).tolist()
+    got = runtime.logprobs(ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].double()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([ids[:40]]), max_new_tokens=30, do_sample=False, pad_token_id=0)
+    runtime.eos_token_ids = set()
+    assert list(runtime.generate_ids(ids[:40], max_new_tokens=30)) == greedy[0, 40:].tolist()
+
+
+def test_attention_soft_capping_is_refused():
+    with pytest.raises(UnsupportedModelError, match="attention logit soft-capping"):
+        check_model_features({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0})
+    check_model_features({"model_type": "gemma3_text", "attn_logit_softcapping": None, "final_logit_softcapping": 30})

@@ -99,6 +99,8 @@ def edgec_attention(module, query, key, value, attention_mask, scaling=None, dro
         raise RuntimeError(
             f"layer {layer_idx}: model uses window {traced_window}, config gave {router.windows[layer_idx]}"
         )
+    if kwargs.get("softcap"):  # load.check_model_features refuses such models; never drop it silently
+        raise RuntimeError(f"layer {layer_idx}: attention logit soft-capping is not implemented by KVAttention")
     k_cache, v_cache, pos_cache = router.layer(layer_idx)
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     out, k_new, v_new, pos_new = kv_attention(
