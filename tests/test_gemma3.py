@@ -104,6 +104,7 @@ def test_first_step_logits(bundles, reference_logits, prompts, target):
         assert np.abs(model.next_token_logits(ids) - want).max() < 1e-3
 
 
+@pytest.mark.slow
 def test_greedy_64_tokens_identical_to_transformers(bundles, hf_model, prompts):
     model = Model.load(bundles["cpu"])
     for ids in prompts:
@@ -114,6 +115,7 @@ def test_greedy_64_tokens_identical_to_transformers(bundles, hf_model, prompts):
         assert got == want, (model.decode(got), model.decode(want))
 
 
+@pytest.mark.slow
 def test_greedy_portable_bundle_agrees(bundles, prompts):
     """Short: the portable graph's long-prompt path is covered by its first-step logits, and the rings run the
     same function body on both targets."""
