@@ -146,3 +146,24 @@ def test_attention_soft_capping_is_refused():
     with pytest.raises(UnsupportedModelError, match="attention logit soft-capping"):
         check_model_features({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0})
     check_model_features({"model_type": "gemma3_text", "attn_logit_softcapping": None, "final_logit_softcapping": 30})
+
+
+def test_gemma3_compressed_global_layer_keeps_the_rings_across_an_end_mode_prompt(gemma3, tmp_path):
+    """--kv-* compresses the global layer only; reading a prompt longer than its capacity (end mode) must leave
+    the sliding layers' rings holding the prompt's last tokens for the steps that follow."""
+    folder, _ = gemma3
+    out = tmp_path / "gemma3.kv.edgec"
+    result = build(folder, out, BuildSettings(target="cpu", context=96, prefill_chunk=16, kv_capacity=40, kv_window=8))
+    assert [layer.get("compressed", False) for layer in result.manifest["cache"]["layers"]] == [
+        False,
+        False,
+        True,
+        False,
+    ]
+    runtime = Model.load(out)
+    ids = np.random.default_rng(2).integers(0, runtime.vocab_size, 60).tolist()
+    runtime.next_token_logits(ids)
+    state = {name: array for name, _, array, _ in runtime._step._state}
+    for layer in (0, 1, 3):
+        assert state[f"cache.{layer}.pos"].max() == 59 and (state[f"cache.{layer}.pos"] >= 0).sum() == 32
+    assert (state["cache.2.pos"] >= 0).sum() == 40

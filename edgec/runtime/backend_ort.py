@@ -124,7 +124,12 @@ class OrtStep:
         compressed capacity, read it into a temporary state large enough to hold it whole."""
         compression = self.compression
         if compression and compression.prefill_compress == "end" and length > compression.capacity:
-            self._active = self._allocate(length)
+            # only the compressed layers get larger buffers; the others (sliding-window rings) keep their own
+            larger = {entry[0]: entry for entry in self._allocate(length)}
+            compressed = {f"cache.{layer.layer}." for layer in self.spec.layers if layer.compressed}
+            self._active = [
+                larger[entry[0]] if entry[0].rsplit(".", 1)[0] + "." in compressed else entry for entry in self._state
+            ]
 
     def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
         """After the prompt: keep the best ``capacity`` slots of the temporary state in the real one
