@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measure  # noqa: E402
 import models  # noqa: E402
 
 OUT = models.OUT
@@ -41,14 +41,6 @@ EDGEC_VARIANTS = {
 }
 GENAI_MODEL = OUT / f"genai-{PRECISION}"
 CONTEXT = 2048  # enough for the 1024-token prompt + 64 new tokens; genai sizes its cache to max_length likewise
-
-
-def peak_rss_gb() -> float:
-    """This process's peak RSS (VmHWM: unlike ru_maxrss it is not inherited from the parent across fork/exec)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def run_measured(command: list[str]) -> tuple[float, float]:
@@ -118,13 +110,7 @@ class EdgecRunner:
         self.model = Model.load(EDGEC_VARIANTS[self.variant][0], threads=threads)
 
     def run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
-        start = time.perf_counter()
-        tokens = self.model.generate_ids(ids, max_new_tokens=new_tokens + 1)
-        next(tokens)
-        prefilled = time.perf_counter()
-        produced = sum(1 for _ in tokens)
-        assert produced == new_tokens, f"stopped early after {produced}"
-        return prefilled - start, new_tokens / (time.perf_counter() - prefilled)
+        return measure.time_edgec(self.model, ids, new_tokens)
 
 
 class GenaiRunner:
@@ -137,17 +123,7 @@ class GenaiRunner:
         self.model = og.Model(str(GENAI_MODEL))
 
     def run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
-        params = self.og.GeneratorParams(self.model)
-        params.set_search_options(max_length=len(ids) + new_tokens + 8, do_sample=False)
-        generator = self.og.Generator(self.model, params)
-        start = time.perf_counter()
-        generator.append_tokens(np.asarray([ids], dtype=np.int32))
-        generator.generate_next_token()
-        prefilled = time.perf_counter()
-        for _ in range(new_tokens):
-            generator.generate_next_token()
-        assert not generator.is_done()
-        return prefilled - start, new_tokens / (time.perf_counter() - prefilled)
+        return measure.time_genai(self.og, self.model, ids, new_tokens)
 
 
 class TorchRunner:
@@ -287,7 +263,7 @@ def main() -> None:
     if args.worker:  # memory phase: one runtime, fresh process, print peak RSS in GB
         runner = RUNNERS[args.worker](args.threads)
         runner.run(prompt_ids(1024), args.new_tokens)
-        print(peak_rss_gb())
+        print(measure.peak_rss_gb())
         return
     OUT.mkdir(parents=True, exist_ok=True)
     names = args.runtimes.split(",")

@@ -17,13 +17,13 @@ import json
 import platform
 import subprocess
 import sys
-import time
 from datetime import date
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measure  # noqa: E402
 import models  # noqa: E402
 
 OUT = models.OUT
@@ -40,13 +40,6 @@ BUNDLES = {  # runner name → (bundle folder, extra edgec build options)
     ),
 }
 GENAI = {"onnxruntime-genai fp32": "genai-fp32", "onnxruntime-genai int4": "genai-int4"}
-
-
-def peak_rss_gb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2**20
-    return 0.0
 
 
 def prepare(threads: int) -> None:
@@ -73,13 +66,7 @@ class EdgecRunner:
         self.model = Model.load(OUT / BUNDLES[name][0], threads=threads)
 
     def run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
-        start = time.perf_counter()
-        tokens = self.model.generate_ids(ids, max_new_tokens=new_tokens + 1)
-        next(tokens)
-        prefilled = time.perf_counter()
-        produced = sum(1 for _ in tokens)
-        assert produced == new_tokens, f"stopped early after {produced}"
-        return prefilled - start, new_tokens / (time.perf_counter() - prefilled)
+        return measure.time_edgec(self.model, ids, new_tokens)
 
 
 class GenaiRunner:
@@ -90,16 +77,7 @@ class GenaiRunner:
         self.model = og.Model(str(OUT / GENAI[name]))
 
     def run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
-        params = self.og.GeneratorParams(self.model)
-        params.set_search_options(max_length=len(ids) + new_tokens + 8, do_sample=False)
-        generator = self.og.Generator(self.model, params)
-        start = time.perf_counter()
-        generator.append_tokens(np.asarray([ids], dtype=np.int32))
-        generator.generate_next_token()
-        prefilled = time.perf_counter()
-        for _ in range(new_tokens):
-            generator.generate_next_token()
-        return prefilled - start, new_tokens / (time.perf_counter() - prefilled)
+        return measure.time_genai(self.og, self.model, ids, new_tokens)
 
 
 def runner(name: str, threads: int):
@@ -131,11 +109,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    ids = None
     if args.worker:  # memory phase: one runtime, fresh process, print peak RSS in GB
         measured = runner(args.worker, args.threads)
         measured.run(prompt_ids(args.prompt), args.new_tokens)
-        print(peak_rss_gb())
+        print(measure.peak_rss_gb())
         return
     prepare(args.threads)
     ids = prompt_ids(args.prompt)

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measure  # noqa: E402
 import models  # noqa: E402
 
 INTRO = (
@@ -37,13 +38,6 @@ NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 NEW_TOKENS = 8
 FILLER_BOOKS = ("prideprejudice.txt", "emma.txt", "mansfieldpark.txt")  # > 32K tokens together
-
-
-def peak_rss_gb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
 
 
 def make_trials(lengths: list[int], depths: list[float], count: int, seed: int) -> list[dict]:
@@ -88,7 +82,7 @@ def worker(engine: str, bundle: Path, trials: list[dict]) -> None:
             "total_s": round(time.perf_counter() - start, 2),
         }
         print(json.dumps(record), flush=True)
-    print(json.dumps({"engine": engine, "peak_rss_gb": round(peak_rss_gb(), 2)}), flush=True)
+    print(json.dumps({"engine": engine, "peak_rss_gb": round(measure.peak_rss_gb(), 2)}), flush=True)
 
 
 def _edgec_generator(bundle: Path):
