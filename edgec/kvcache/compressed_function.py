@@ -195,27 +195,34 @@ def _output_type(compression: Compression, name: str) -> int:
     return TensorProto.INT64 if name == "pos_out" else TensorProto.FLOAT
 
 
+def _filled_slots(b: Body, filled: str, capacity: str, compression: Compression):
+    """Attention reads slots [0, active) only, active = the last filled slot + 1: empty slots fill lowest first,
+    so while a cache (or the large temporary one of an `end` prompt) fills up, its empty tail costs nothing.
+    Returns active ([1]), a slicer for state tensors, and the dequantized old k and v of those slots."""
+    slot_index = b.op("Range", b.i64(0), b.op("Squeeze", capacity), b.i64(1))
+    filled_at = b.op("Where", filled, slot_index, b.i64(-1))
+    active = b.op("Reshape", b.op("Add", b.op("ReduceMax", filled_at, keepdims=0), b.i64(1)), b.i64([1]))
+
+    def active_slots(name: str | None) -> str | None:
+        return None if name is None else b.op("Slice", name, b.i64([0]), active, b.i64([2]))
+
+    scales = ("k_scale", "v_scale") if compression.quantized else (None, None)
+    old_k = _dequantize(b, active_slots("k_cache"), active_slots(scales[0]), compression)
+    old_v = _dequantize(b, active_slots("v_cache"), active_slots(scales[1]), compression)
+    return active, active_slots, old_k, old_v
+
+
 def _general(b: Body, compression: Compression, scale_attr: str, window_attr: str) -> dict[str, str]:
     """Any number of new tokens: attention with causal masks, pairing, index-ordered writes."""
     policy = policies.get(compression.policy)
-    names = dict(zip(state_names(compression), state_names(compression), strict=True))
     capacity = b.shape("pos", 2)
     new = b.shape("k", 2)  # T
     kv_heads = b.shape("k", 1)
     heads = b.shape("q", 1)
     head_dim = b.shape("q", 3)
 
-    # attention reads slots [0, active) only, active = the last filled slot + 1: empty slots fill lowest first,
-    # so while a cache (or the large temporary one of an `end` prompt) fills up, its empty tail costs nothing
-    slot_index = b.op("Range", b.i64(0), b.op("Squeeze", capacity), b.i64(1))
-    filled_at = b.op("Where", b.op("GreaterOrEqual", "pos", b.i64(0)), slot_index, b.i64(-1))
-    active = b.op("Reshape", b.op("Add", b.op("ReduceMax", filled_at, keepdims=0), b.i64(1)), b.i64([1]))
-
-    def active_slots(name: str | None) -> str | None:
-        return None if name is None else b.op("Slice", name, b.i64([0]), active, b.i64([2]))
-
-    old_k = _dequantize(b, active_slots(names["k_cache"]), active_slots(names.get("k_scale")), compression)
-    old_v = _dequantize(b, active_slots(names["v_cache"]), active_slots(names.get("v_scale")), compression)
+    filled = b.op("GreaterOrEqual", "pos", b.i64(0))
+    active, active_slots, old_k, old_v = _filled_slots(b, filled, capacity, compression)
 
     # 1. attention over the slots and the new tokens; queries grouped per KV head: [B,Hkv,G·T,D]
     rows_shape = b.op("Concat", b.i64([0]), kv_heads, b.i64([-1]), head_dim, axis=0)
@@ -266,7 +273,7 @@ def _general(b: Body, compression: Compression, scale_attr: str, window_attr: st
         stats[name] = b.op("Concat", old_part, b.op("Slice", stat, active, b.i64([HUGE]), b.i64([-1])), axis=-1)
     updated = policy.update_onnx(b, "score", stats, key_pos, new)
     inf = b.f32(float("inf"))
-    old_protected = b.op("And", b.op("IsInf", "score", detect_negative=0), b.op("GreaterOrEqual", "pos", b.i64(0)))
+    old_protected = b.op("And", b.op("IsInf", "score", detect_negative=0), filled)
     protected = b.op("Concat", old_protected, b.op("Expand", b.op("Unsqueeze", "protect", b.i64([1])), bht), axis=2)
     score_all = b.op("Where", protected, inf, updated)
 
@@ -289,7 +296,9 @@ def _general(b: Body, compression: Compression, scale_attr: str, window_attr: st
     v_stored, v_scale = _quantize(b, "v", compression)
     arriving = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale, "v_scale": v_scale, "pos": new_pos}
     arriving["score"] = b.op("Slice", score_all, capacity, b.i64([HUGE]), b.i64([-1]))
-    current = dict(names) | {"score": b.op("Slice", score_all, b.i64([0]), capacity, b.i64([-1]))}
+    current = {name: name for name in state_names(compression)} | {
+        "score": b.op("Slice", score_all, b.i64([0]), capacity, b.i64([-1]))
+    }
     # v and v_scale are read by the attention output only, which nothing below depends on: make their slot
     # indices wait for it, or the in-place scatter may overwrite slots before they are read (Max with a
     # non-positive number that the output determines leaves the indices as they are)
@@ -310,23 +319,11 @@ def _general(b: Body, compression: Compression, scale_attr: str, window_attr: st
 def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str) -> dict[str, str]:
     """One new token per sequence (T = 1): the general meaning, specialised."""
     policy = policies.get(compression.policy)
-    names = dict(zip(state_names(compression), state_names(compression), strict=True))
     capacity = b.shape("pos", 2)
     kv_heads = b.shape("k", 1)
     head_dim = b.shape("q", 3)
-    slot_index = b.op("Range", b.i64(0), b.op("Squeeze", capacity), b.i64(1))
     filled = b.op("GreaterOrEqual", "pos", b.i64(0))
-    active = b.op(
-        "Reshape",
-        b.op("Add", b.op("ReduceMax", b.op("Where", filled, slot_index, b.i64(-1)), keepdims=0), b.i64(1)),
-        b.i64([1]),
-    )
-
-    def active_slots(name: str | None) -> str | None:
-        return None if name is None else b.op("Slice", name, b.i64([0]), active, b.i64([2]))
-
-    old_k = _dequantize(b, active_slots(names["k_cache"]), active_slots(names.get("k_scale")), compression)
-    old_v = _dequantize(b, active_slots(names["v_cache"]), active_slots(names.get("v_scale")), compression)
+    active, active_slots, old_k, old_v = _filled_slots(b, filled, capacity, compression)
     # the G query heads of each KV head as rows: [B,Hkv,G,D]
     queries = b.op("Reshape", "q", b.op("Concat", b.i64([0]), kv_heads, b.i64([-1]), head_dim, axis=0))
     scores_old = b.op("MatMul", queries, b.op("Transpose", old_k, perm=[0, 1, 3, 2]))  # [B,Hkv,G,A]
@@ -383,7 +380,7 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
     v_stored, v_scale = _quantize(b, "v", compression)
     arriving = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale, "v_scale": v_scale}
     arriving |= {"pos": new_pos, "score": score_new}
-    current = dict(names) | {"score": score_old}
+    current = {name: name for name in state_names(compression)} | {"score": score_old}
     written = {}
     for name in state_names(compression):
         slots = weakest_after_out if name in ("v_cache", "v_scale") else weakest

@@ -63,7 +63,7 @@ class OrtStep:
         self._graph_inputs = {value.name for value in self.session.get_inputs()}
         self._protected = "protect" in self._graph_inputs
         # a second graph over the same cache (static-shape bundles) binds the same buffers
-        self._state = shared_state if shared_state is not None else self._allocate(None)
+        self._state = shared_state if shared_state is not None else self._allocate(spec.layers)
         self._active = self._state  # the state multi-token steps run on (a larger one while reading a prompt)
         # one-token step buffers, bound once
         self._token = np.zeros((1, 1), np.int64)
@@ -77,12 +77,11 @@ class OrtStep:
             self._state, self._token, self._position, self._last, self._protect_one, self._logits
         )
 
-    def _allocate(self, compressed_slots: int | None) -> list[StateEntry]:
-        """State buffers for every layer (compressed layers with ``compressed_slots`` slots when given)."""
+    def _allocate(self, layers, compressed_slots: int | None = None) -> list[StateEntry]:
+        """State buffers for ``layers`` (compressed layers with ``compressed_slots`` slots when given)."""
         entries = []
-        for layer in self.spec.layers:
-            slots = compressed_slots if layer.compressed else None
-            arrays = self.spec.empty_state(layer, slots)
+        for layer in layers:
+            arrays = self.spec.empty_state(layer, compressed_slots if layer.compressed else None)
             names = zip(layer.input_names(self.compression), layer.output_names(self.compression), strict=True)
             for (input_name, output_name), array in zip(names, arrays.values(), strict=True):
                 if input_name not in self._graph_inputs:  # e.g. pos, where the target's lowering made it implicit
@@ -125,11 +124,9 @@ class OrtStep:
         compression = self.compression
         if compression and compression.prefill_compress == "end" and length > compression.capacity:
             # only the compressed layers get larger buffers; the others (sliding-window rings) keep their own
-            larger = {entry[0]: entry for entry in self._allocate(length)}
-            compressed = {f"cache.{layer.layer}." for layer in self.spec.layers if layer.compressed}
-            self._active = [
-                larger[entry[0]] if entry[0].rsplit(".", 1)[0] + "." in compressed else entry for entry in self._state
-            ]
+            compressed = [layer for layer in self.spec.layers if layer.compressed]
+            larger = {entry[0]: entry for entry in self._allocate(compressed, length)}
+            self._active = [larger.get(entry[0], entry) for entry in self._state]
 
     def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
         """After the prompt: keep the best ``capacity`` slots of the temporary state in the real one
