@@ -35,6 +35,7 @@ OUT = models.OUT / "kv"
 POLICIES = ("streaming", "h2o", "snapkv", "adaptive", "tova")
 FRACTIONS = (0.5, 0.25, 0.125)
 CONTEXT = 8192
+SMOLLM2_HEADS = (9, 3, 64)  # query heads, KV heads, head dim
 FP16_BYTES_PER_TOKEN = 23_040  # SmolLM2: 30 layers × 3 KV heads × (64 + 64) channels × 2 bytes
 
 
@@ -84,7 +85,7 @@ def policy_variant(source: Path, policy: str, path: Path) -> Path:
     model = onnx.load(source / "model.onnx", load_external_data=False)
     settings = {**manifest["cache"]["compression"], "policy": policy}
     opset = next(o.version for o in model.opset_import if o.domain == "")
-    body = compressed_function.make_function(Compression(**settings), opset)
+    body = compressed_function.make_function(Compression(**settings), opset, compressed_function.Heads(*SMOLLM2_HEADS))
     functions = [f for f in model.functions if f.name != compressed_function.OP_TYPE]
     del model.functions[:]
     model.functions.extend([*functions, body])

@@ -35,7 +35,7 @@ def kv_cache(model: ir.Model, **compression_settings) -> int:
     graph.inputs.insert(list(graph.inputs).index(position_ids) + 1, protect)
     for node in targets:
         _compress(graph, node, protect, compression)
-    function_proto = compressed_function.make_function(compression, model.opset_imports.get("", 23))
+    function_proto = compressed_function.make_function(compression, model.opset_imports.get("", 23), _heads(targets))
     ir_function = ir.serde.deserialize_function(function_proto)
     model.functions[ir_function.identifier()] = ir_function
     model.opset_imports[compressed_function.DOMAIN] = compressed_function.OPSET_VERSION
@@ -102,6 +102,14 @@ def _compress(graph: ir.Graph, node: ir.Node, protect: ir.Value, compression: Co
         value.type, value.shape = state[name].type, state[name].shape
         graph.outputs.insert(at + offset, value)
     graph.remove(node, safe=True)
+
+
+def _heads(nodes: list[ir.Node]) -> compressed_function.Heads:
+    """The head layout the function bakes in: q [B,H,T,D], cache [B,Hkv,slots,D], the same in every layer."""
+    layouts = {(node.inputs[0].shape[1], node.inputs[4].shape[1], node.inputs[4].shape[3]) for node in nodes}
+    if len(layouts) != 1 or not all(isinstance(size, int) for size in next(iter(layouts))):
+        raise ValueError(f"compressed layers need one static head layout (heads, kv heads, head dim); got {layouts}")
+    return compressed_function.Heads(*next(iter(layouts)))
 
 
 def _window(node: ir.Node) -> int:

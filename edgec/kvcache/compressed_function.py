@@ -12,6 +12,8 @@ scatter writes distinct slots. tests/kvcache/test_compressed.py runs every dtype
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import onnx
 from onnx import AttributeProto, TensorProto, helper
 
@@ -31,6 +33,16 @@ STORAGE_TYPES = {  # storage dtype → ONNX element type of the k/v state
     "int4": TensorProto.UINT8,  # two offset-binary nibbles per byte
 }
 HUGE = 1 << 40
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The attention's head layout, the same for every compressed layer of a model: the decode branch bakes it
+    in so that it runs no shape arithmetic."""
+
+    query: int
+    kv: int
+    dim: int
 
 
 def state_names(compression: Compression) -> tuple[str, ...]:
@@ -59,31 +71,36 @@ def _fp8_table() -> onnx.TensorProto:
 
 def _dequantize(b: Body, stored: str, scale: str | None, compression: Compression) -> str:
     """Stored k or v [B,Hkv,C,Ds] → float32 [B,Hkv,C,D]."""
-    dtype, group = compression.dtype, compression.group
+    values = _raw_values(b, stored, compression)
+    if not compression.quantized:
+        return values
+    # int8: Cast + Mul — ONNX Runtime's blocked DequantizeLinear is slower on CPU (measured)
+    return _scale_groups(b, values, scale, compression.group)
+
+
+def _raw_values(b: Body, stored: str, compression: Compression, head_dim: int | None = None) -> str:
+    """Stored k or v [B,Hkv,C,Ds] → float32 [B,Hkv,C,D] before the group scales (the values themselves for
+    float storage). ``head_dim`` known lets int4 unpack without shape arithmetic."""
+    dtype = compression.dtype
     if dtype == "fp32":
         return stored
-    if dtype == "fp16":
+    if dtype in ("fp16", "int8"):
         return b.op("Cast", stored, to=TensorProto.FLOAT)
-    if dtype == "int8":  # Cast + Mul: ONNX Runtime's blocked DequantizeLinear is slower on CPU (measured)
-        return _scale_groups(b, b.op("Cast", stored, to=TensorProto.FLOAT), scale, group)
     if dtype == "fp8":
         table = b.op("Constant", value=_fp8_table(), name="fp8_table")
-        values = b.op("Gather", table, b.op("Cast", stored, to=TensorProto.INT32))
-        return _scale_groups(b, values, scale, group)
-    # int4: unpack the nibbles (low = even channel), then dequantize with zero point 8
+        return b.op("Gather", table, b.op("Cast", stored, to=TensorProto.INT32))
+    # int4: unpack the nibbles (low = even channel), offset-binary around 8
     low = b.op("BitwiseAnd", stored, b.u8(15))
-    high = b.op(
-        "BitShift",
-        stored,
-        b.u8(4),
-        direction="RIGHT",
-    )
+    high = b.op("BitShift", stored, b.u8(4), direction="RIGHT")
     axis = b.i64([-1])
     pairs = b.op("Concat", b.op("Unsqueeze", low, axis), b.op("Unsqueeze", high, axis), axis=-1)
-    # explicit sizes, not -1: an empty slice (no filled slot yet) makes -1 ambiguous
-    shape = b.op("Concat", b.op("Shape", stored, end=3), b.op("Mul", b.op("Shape", stored, start=3), b.i64(2)), axis=0)
-    unpacked = b.op("Sub", b.op("Cast", b.op("Reshape", pairs, shape), to=TensorProto.FLOAT), b.f32(8.0))
-    return _scale_groups(b, unpacked, scale, group)
+    if head_dim is not None:
+        shape = b.i64([0, 0, -1, head_dim])
+    else:  # explicit sizes, not -1: an empty slice (no filled slot yet) makes -1 ambiguous
+        shape = b.op(
+            "Concat", b.op("Shape", stored, end=3), b.op("Mul", b.op("Shape", stored, start=3), b.i64(2)), axis=0
+        )
+    return b.op("Sub", b.op("Cast", b.op("Reshape", pairs, shape), to=TensorProto.FLOAT), b.f32(8.0))
 
 
 def _scale_groups(b: Body, values: str, scale: str, group: int) -> str:
@@ -102,8 +119,8 @@ def _quantize(b: Body, x: str, compression: Compression) -> tuple[str, str | Non
         return x, None
     if dtype == "fp16":
         return b.op("Cast", x, to=TensorProto.FLOAT16), None
-    grouped_shape = b.op("Concat", b.op("Shape", x, end=3), b.i64([-1, group]), axis=0)
-    grouped = b.op("Reshape", x, grouped_shape)
+    # Reshape's 0 copies an axis: no shape arithmetic (a call always brings at least one token)
+    grouped = b.op("Reshape", x, b.i64([0, 0, 0, -1, group]))
     absmax = b.op("ReduceMax", b.op("Abs", grouped), b.i64([-1]), keepdims=0)
     scale = b.op("Div", absmax, b.f32(QMAX[dtype]))
     safe = b.op("Where", b.op("Equal", scale, b.f32(0.0)), b.f32(1.0), scale)
@@ -112,12 +129,11 @@ def _quantize(b: Body, x: str, compression: Compression) -> tuple[str, str | Non
         return stored, scale
     if dtype == "fp8":
         return _encode_e4m3(
-            b, b.op("Reshape", b.op("Div", grouped, b.op("Unsqueeze", safe, b.i64([-1]))), b.op("Shape", x))
+            b, b.op("Reshape", b.op("Div", grouped, b.op("Unsqueeze", safe, b.i64([-1]))), b.i64([0, 0, 0, -1]))
         ), scale
     zero_point = b.op("Expand", b.u8(8), b.op("Shape", safe))
     nibbles = b.op("QuantizeLinear", x, safe, zero_point, axis=3, block_size=group)  # uint8 in [1, 15]
-    pairs_shape = b.op("Concat", b.op("Shape", x, end=3), b.i64([-1, 2]), axis=0)
-    pairs = b.op("Reshape", nibbles, pairs_shape)
+    pairs = b.op("Reshape", nibbles, b.i64([0, 0, 0, -1, 2]))
     low, high = b.op("Split", pairs, axis=-1, num_outputs=2, outputs=2)
     four = b.u8(4)
     packed = b.op("BitwiseOr", low, b.op("BitShift", high, four, direction="LEFT"))
@@ -147,8 +163,8 @@ def _encode_e4m3(b: Body, y: str) -> str:
 
 
 # --- the body ------------------------------------------------------------------------------------------------
-def make_function(compression: Compression, default_opset: int) -> onnx.FunctionProto:
-    """The function body for one compression setting; ``default_opset`` must equal the model's.
+def make_function(compression: Compression, default_opset: int, heads: Heads) -> onnx.FunctionProto:
+    """The function body for one compression setting and head layout; ``default_opset`` must equal the model's.
 
     Two branches of one ``If``: the general call (any T) and a one-token decode step, which is the same
     meaning with less work — one query needs no causal mask, and its token, always in the recent window, is
@@ -160,9 +176,12 @@ def make_function(compression: Compression, default_opset: int) -> onnx.Function
     window_attr = b.attribute_ref("value_int", "window", AttributeProto.INT)
     is_decode = b.op("Equal", b.op("Squeeze", b.shape("k", 2)), b.i64(1))
     branches = {}
-    for kind, emit in (("decode", _decode), ("general", _general)):
+    for kind in ("decode", "general"):
         branch = Body(prefix=f"{kind[0]}_")
-        results = emit(branch, compression, scale_attr, window_attr)
+        if kind == "decode":
+            results = _decode(branch, compression, scale_attr, window_attr, heads)
+        else:
+            results = _general(branch, compression, scale_attr, window_attr)
         graph_outputs = []
         for name in outputs(compression):
             value = branch.op("Identity", results[name], name=f"{name}_result")
@@ -199,9 +218,7 @@ def _filled_slots(b: Body, filled: str, capacity: str, compression: Compression)
     """Attention reads slots [0, active) only, active = the last filled slot + 1: empty slots fill lowest first,
     so while a cache (or the large temporary one of an `end` prompt) fills up, its empty tail costs nothing.
     Returns active ([1]), a slicer for state tensors, and the dequantized old k and v of those slots."""
-    slot_index = b.op("Range", b.i64(0), b.op("Squeeze", capacity), b.i64(1))
-    filled_at = b.op("Where", filled, slot_index, b.i64(-1))
-    active = b.op("Reshape", b.op("Add", b.op("ReduceMax", filled_at, keepdims=0), b.i64(1)), b.i64([1]))
+    active = _active(b, filled, capacity)
 
     def active_slots(name: str | None) -> str | None:
         return None if name is None else b.op("Slice", name, b.i64([0]), active, b.i64([2]))
@@ -210,6 +227,13 @@ def _filled_slots(b: Body, filled: str, capacity: str, compression: Compression)
     old_k = _dequantize(b, active_slots("k_cache"), active_slots(scales[0]), compression)
     old_v = _dequantize(b, active_slots("v_cache"), active_slots(scales[1]), compression)
     return active, active_slots, old_k, old_v
+
+
+def _active(b: Body, filled: str, capacity: str) -> str:
+    """[1]: the last filled slot + 1 over every head (0 when all are empty)."""
+    slot_index = b.op("Range", b.i64(0), b.op("Squeeze", capacity), b.i64(1))
+    filled_at = b.op("Where", filled, slot_index, b.i64(-1))
+    return b.op("Reshape", b.op("Add", b.op("ReduceMax", filled_at, keepdims=0), b.i64(1)), b.i64([1]))
 
 
 def _general(b: Body, compression: Compression, scale_attr: str, window_attr: str) -> dict[str, str]:
@@ -316,17 +340,32 @@ def _general(b: Body, compression: Compression, scale_attr: str, window_attr: st
     return {"out": out} | {f"{name}_out": value for name, value in written.items()}
 
 
-def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str) -> dict[str, str]:
-    """One new token per sequence (T = 1): the general meaning, specialised."""
+def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str, heads: Heads) -> dict[str, str]:
+    """One new token per sequence (T = 1): the general meaning, specialised. Every node runs once per layer and
+    token, so the head layout is baked in (no shape arithmetic) and quantized slots are never dequantized: the
+    group scales are applied to the few query/probability rows instead of to every cached value (see
+    ``_scaled_scores``), which is most of the work at 1K+ slots."""
     policy = policies.get(compression.policy)
+    per_kv = heads.query // heads.kv  # query heads per KV head
     capacity = b.shape("pos", 2)
-    kv_heads = b.shape("k", 1)
-    head_dim = b.shape("q", 3)
     filled = b.op("GreaterOrEqual", "pos", b.i64(0))
-    active, active_slots, old_k, old_v = _filled_slots(b, filled, capacity, compression)
-    # the G query heads of each KV head as rows: [B,Hkv,G,D]
-    queries = b.op("Reshape", "q", b.op("Concat", b.i64([0]), kv_heads, b.i64([-1]), head_dim, axis=0))
-    scores_old = b.op("MatMul", queries, b.op("Transpose", old_k, perm=[0, 1, 3, 2]))  # [B,Hkv,G,A]
+    # attention reads slots [0, active): empty slots fill lowest first. At least one slot, so no tensor is
+    # empty (an empty slot is masked like any other)
+    active = b.op("Max", _active(b, filled, capacity), b.i64([1]))
+
+    def active_slots(name: str) -> str:
+        return b.op("Slice", name, b.i64([0]), active, b.i64([2]))
+
+    # the query heads of each KV head as rows: [B,Hkv,G,D]
+    queries = b.op("Reshape", "q", b.i64([0, heads.kv, per_kv, heads.dim]))
+    raw_k = _raw_values(b, active_slots("k_cache"), compression, heads.dim)
+    raw_v = _raw_values(b, active_slots("v_cache"), compression, heads.dim)
+    if compression.quantized:
+        k_scale = b.op("Transpose", active_slots("k_scale"), perm=[0, 1, 3, 2])  # [B,Hkv,D/G,A]
+        v_scale = b.op("Transpose", active_slots("v_scale"), perm=[0, 1, 3, 2])
+        scores_old = _scaled_scores(b, queries, raw_k, k_scale, heads, compression.group)
+    else:
+        scores_old = b.op("MatMul", queries, b.op("Transpose", raw_k, perm=[0, 1, 3, 2]))  # [B,Hkv,G,A]
     scores_new = b.op("MatMul", queries, b.op("Transpose", "k", perm=[0, 1, 3, 2]))  # [B,Hkv,G,1]
     # every filled slot is in the past of the one query; a sliding window still bounds it from below
     position = b.op("Unsqueeze", "position_ids", b.i64([1]))  # [B,1,1]
@@ -334,13 +373,18 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
     has_window = b.op("Greater", window_attr, b.i64(0))
     span = b.op("Where", has_window, window_attr, b.i64(HUGE))
     lowest = b.op("Max", b.op("Sub", position, b.op("Sub", span, b.i64(1))), b.i64(0))
-    visible = b.op("Unsqueeze", b.op("GreaterOrEqual", old_pos, lowest), b.i64([2]))  # [B,Hkv,1,A]
-    masked_old = b.op("Where", visible, scores_old, b.f32(float("-inf")))
+    # masked by adding 0 or -inf: a Where broadcast over the query rows is several times slower in ORT
+    hidden = b.op("Where", b.op("GreaterOrEqual", old_pos, lowest), b.f32(0.0), b.f32(float("-inf")))
+    masked_old = b.op("Add", scores_old, b.op("Unsqueeze", hidden, b.i64([2])))  # [B,Hkv,G,A] + [B,Hkv,1,A]
     probs = b.op("Softmax", b.op("Mul", b.op("Concat", masked_old, scores_new, axis=-1), scale_attr), axis=-1)
     probs_old = b.op("Slice", probs, b.i64([0]), active, b.i64([-1]))
     probs_new = b.op("Slice", probs, active, b.i64([HUGE]), b.i64([-1]))  # [B,Hkv,G,1]
-    context = b.op("Add", b.op("MatMul", probs_old, old_v), b.op("Mul", probs_new, "v"))  # [B,Hkv,G,D]
-    out = b.op("Reshape", context, b.op("Concat", b.i64([0, 1]), b.shape("q", 1), head_dim, axis=0))  # [B,1,H,D]
+    if compression.quantized:
+        context_old = _scaled_context(b, probs_old, raw_v, v_scale, heads, compression.group)
+    else:
+        context_old = b.op("MatMul", probs_old, raw_v)
+    context = b.op("Add", context_old, b.op("Mul", probs_new, "v"))  # [B,Hkv,G,D]
+    out = b.op("Reshape", context, b.i64([0, 1, heads.query, heads.dim]))  # [B,1,H,D]
 
     # scores of every candidate (C slots + the token) from this step's attention
     stats = {}
@@ -351,46 +395,81 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
         total = b.op("Concat", old_part, b.op("Slice", total, active, b.i64([HUGE]), b.i64([-1])), axis=-1)
         stats = {"total": total, "observed": total}  # one query: it is the whole observation window
         if "last" in policy.needs:
-            group_size = b.op("Cast", b.op("Div", b.shape("q", 1), kv_heads), to=TensorProto.FLOAT)
-            stats["last"] = b.op("Div", total, group_size)
-    new_pos = b.op("Unsqueeze", "position_ids", b.i64([1]))  # [B,1,1] — broadcast over heads where needed
-    new_pos = b.op("Expand", new_pos, b.op("Concat", b.op("Shape", "k", end=2), b.i64([1]), axis=0))  # [B,Hkv,1]
+            stats["last"] = b.op("Div", total, b.f32(float(per_kv)))
+    new_pos = b.op("Expand", position, b.i64([1, heads.kv, 1]))  # [B,Hkv,1]
     key_pos = b.op("Concat", "pos", new_pos, axis=2)
     updated = policy.update_onnx(b, "score", stats, key_pos, None)
     inf = b.f32(float("inf"))
     old_protected = b.op("And", b.op("IsInf", "score", detect_negative=0), filled)
-    protected = b.op(
-        "Concat",
-        old_protected,
-        b.op("Expand", b.op("Unsqueeze", "protect", b.i64([1])), b.op("Shape", new_pos)),
-        axis=2,
-    )
-    score_all = b.op("Where", protected, inf, updated)
-    score_old = b.op("Slice", score_all, b.i64([0]), capacity, b.i64([-1]))
-    score_new = b.op("Slice", score_all, capacity, b.i64([HUGE]), b.i64([-1]))
-    # the weakest slot takes the token (which, inside the recent window, is always kept)
-    forced = _forced(b, "pos", position, old_protected, compression)
-    keep_old = b.op("Where", filled, b.op("Where", forced, inf, score_old), b.f32(float("-inf")))
+    score_old = b.op("Where", old_protected, inf, b.op("Slice", updated, b.i64([0]), capacity, b.i64([-1])))
+    new_protected = b.op("Unsqueeze", "protect", b.i64([1]))  # [B,1,1]
+    score_new = b.op("Where", new_protected, inf, b.op("Slice", updated, capacity, b.i64([HUGE]), b.i64([-1])))
+    # the weakest slot takes the token (which, inside the recent window, is always kept); protected slots
+    # already score +inf, so only sinks and the recent window are forced here
+    sink = b.op("Less", "pos", b.i64(compression.sink))
+    recent = b.op("Greater", "pos", b.op("Sub", position, b.i64(compression.window)))
+    keep_old = b.op("Where", b.op("Or", sink, recent), inf, score_old)
+    keep_old = b.op("Where", filled, keep_old, b.f32(float("-inf")))
     weakest = b.op("ArgMin", keep_old, axis=-1, keepdims=1)  # [B,Hkv,1]
     not_before_out = b.op(
         "Neg", b.op("Cast", b.op("IsNaN", b.op("ReduceMax", context, keepdims=0)), to=TensorProto.INT64)
     )
     weakest_after_out = b.op("Max", weakest, not_before_out)  # see _general: v is read by the output only
-    k_stored, k_scale = _quantize(b, "k", compression)
-    v_stored, v_scale = _quantize(b, "v", compression)
-    arriving = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale, "v_scale": v_scale}
+    k_stored, k_scale_new = _quantize(b, "k", compression)
+    v_stored, v_scale_new = _quantize(b, "v", compression)
+    arriving = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale_new, "v_scale": v_scale_new}
     arriving |= {"pos": new_pos, "score": score_new}
     current = {name: name for name in state_names(compression)} | {"score": score_old}
+    # one slot index for all channels of the arriving row (Expand broadcasts [B,Hkv,1,1] to [B,Hkv,1,W])
+    widths = {"k_cache": heads.dim // 2 if compression.dtype == "int4" else heads.dim, "v_cache": None}
+    widths["v_cache"] = widths["k_cache"]
+    widths |= {"k_scale": heads.dim // compression.group, "v_scale": heads.dim // compression.group}
+    slot_rows = {}
     written = {}
     for name in state_names(compression):
         slots = weakest_after_out if name in ("v_cache", "v_scale") else weakest
-        if name not in ("score", "pos"):  # one slot index for all channels of the arriving row
-            slots = b.op("Expand", b.op("Unsqueeze", slots, b.i64([-1])), b.op("Shape", arriving[name]))
+        if name not in ("score", "pos"):
+            if slots not in slot_rows:
+                slot_rows[slots] = b.op("Unsqueeze", slots, b.i64([-1]))
+            slots = b.op("Expand", slot_rows[slots], b.i64([1, 1, 1, widths[name]]))
         written[name] = b.op("ScatterElements", current[name], slots, arriving[name], axis=2)
     if policy.prunes:
         replace = b.op("Expand", b.boolean(True), b.op("Shape", weakest))
         written["pos"] = _prune(b, policy, written, weakest, replace, position, compression)
     return {"out": out} | {f"{name}_out": value for name, value in written.items()}
+
+
+def _group_mask(b: Body, heads: Heads, group: int) -> str:
+    """[D/G, 1, D] float: row g is 1 on the channels of group g."""
+    import numpy as np
+
+    groups = heads.dim // group
+    mask = (np.arange(heads.dim)[None, :] // group == np.arange(groups)[:, None]).astype(np.float32)
+    return b.op("Constant", value=onnx.numpy_helper.from_array(mask[:, None, :], "group_mask"), name="group_mask")
+
+
+def _scaled_scores(b: Body, queries: str, raw_k: str, k_scale: str, heads: Heads, group: int) -> str:
+    """q · (raw k × its group scales) without scaling k: one product per (group, query row), each masked to
+    its group's channels, then the per-slot scales weight the groups — D/G × G rows of work instead of A × D.
+    queries [B,Hkv,Gq,D], raw_k [B,Hkv,A,D], k_scale [B,Hkv,D/G,A] → [B,Hkv,Gq,A]."""
+    groups, per_kv = heads.dim // group, heads.query // heads.kv
+    split = b.op("Mul", b.op("Unsqueeze", queries, b.i64([2])), _group_mask(b, heads, group))  # [B,Hkv,D/G,Gq,D]
+    split = b.op("Reshape", split, b.i64([0, 0, groups * per_kv, heads.dim]))
+    partial = b.op("MatMul", split, b.op("Transpose", raw_k, perm=[0, 1, 3, 2]))  # [B,Hkv,D/G·Gq,A]
+    partial = b.op("Reshape", partial, b.i64([0, 0, groups, per_kv, -1]))
+    weighted = b.op("Mul", partial, b.op("Unsqueeze", k_scale, b.i64([3])))
+    return b.op("ReduceSum", weighted, b.i64([2]), keepdims=0)
+
+
+def _scaled_context(b: Body, probs: str, raw_v: str, v_scale: str, heads: Heads, group: int) -> str:
+    """probs · (raw v × its group scales): the scales weight the probabilities once per group, the product
+    runs on the raw values, and each group keeps its own channels. probs [B,Hkv,Gq,A], raw_v [B,Hkv,A,D],
+    v_scale [B,Hkv,D/G,A] → [B,Hkv,Gq,D]."""
+    groups, per_kv = heads.dim // group, heads.query // heads.kv
+    weighted = b.op("Mul", b.op("Unsqueeze", probs, b.i64([2])), b.op("Unsqueeze", v_scale, b.i64([3])))
+    weighted = b.op("Reshape", weighted, b.i64([0, 0, groups * per_kv, -1]))  # [B,Hkv,D/G·Gq,A]
+    partial = b.op("Reshape", b.op("MatMul", weighted, raw_v), b.i64([0, 0, groups, per_kv, heads.dim]))
+    return b.op("ReduceSum", b.op("Mul", partial, _group_mask(b, heads, group)), b.i64([2]), keepdims=0)
 
 
 def _index_order(b: Body, indices: str, replace: str, tail: str, count: str) -> str:

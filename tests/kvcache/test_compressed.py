@@ -57,7 +57,7 @@ def compressed_model(heads, kv_heads, head_dim, capacity, compression: Compressi
     return helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(cf.DOMAIN, 1)],
-        functions=[cf.make_function(compression, 23)],
+        functions=[cf.make_function(compression, 23, cf.Heads(heads, kv_heads, head_dim))],
     )
 
 
