@@ -33,9 +33,10 @@ def kv_cache(model: ir.Model, **compression_settings) -> int:
     position_ids = targets[0].inputs[3]
     protect = ir.Value(name="protect", shape=ir.Shape(list(position_ids.shape)), type=ir.TensorType(ir.DataType.BOOL))
     graph.inputs.insert(list(graph.inputs).index(position_ids) + 1, protect)
+    heads = _heads(targets)
     for node in targets:
         _compress(graph, node, protect, compression)
-    function_proto = compressed_function.make_function(compression, model.opset_imports.get("", 23), _heads(targets))
+    function_proto = compressed_function.make_function(compression, model.opset_imports.get("", 23), heads)
     ir_function = ir.serde.deserialize_function(function_proto)
     model.functions[ir_function.identifier()] = ir_function
     model.opset_imports[compressed_function.DOMAIN] = compressed_function.OPSET_VERSION

@@ -20,7 +20,7 @@ def update(score, stats, key_pos, new):
 
 
 def update_onnx(body, score, stats, key_pos, new) -> str:
-    return accumulate_onnx(body, score, stats["total"], DECAY)
+    return accumulate_onnx(body, score, stats["total"], DECAY, new)
 
 
 def prune(score: np.ndarray, evictable: np.ndarray) -> np.ndarray:

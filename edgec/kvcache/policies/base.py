@@ -40,10 +40,10 @@ def accumulate(score: np.ndarray, received: np.ndarray, decay: float) -> np.ndar
     return (np.concatenate([score * np.float32(decay), pad], axis=-1) + received).astype(np.float32)
 
 
-def accumulate_onnx(body: Body, score: str, received: str, decay: float) -> str:
+def accumulate_onnx(body: Body, score: str, received: str, decay: float, new: str | None) -> str:
+    """``new``: as in ``update_onnx`` (None: one token, known when the graph is written)."""
     decayed = body.op("Mul", score, body.f32(decay))
-    # pad the new tokens' part with zeros: Pad on the last axis by (T) = L - C
-    new_count = body.op("Sub", body.shape(received, -1), body.shape(score, -1))
-    zeros = body.op("Concat", body.i64([0, 0, 0, 0, 0]), new_count, axis=0)
+    # pad the new tokens' part with zeros: Pad on the last axis by T
+    zeros = body.i64([0, 0, 0, 0, 0, 1]) if new is None else body.op("Concat", body.i64([0, 0, 0, 0, 0]), new, axis=0)
     padded = body.op("Pad", decayed, zeros, body.f32(0.0))
     return body.op("Add", padded, received)

@@ -16,4 +16,4 @@ def update(score, stats, key_pos, new):
 
 
 def update_onnx(body, score, stats, key_pos, new) -> str:
-    return accumulate_onnx(body, score, stats["total"], DECAY)
+    return accumulate_onnx(body, score, stats["total"], DECAY, new)

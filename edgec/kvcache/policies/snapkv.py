@@ -33,7 +33,7 @@ def update(score, stats, key_pos, new):
 
 
 def update_onnx(body, score, stats, key_pos, new) -> str:
-    decode = accumulate_onnx(body, score, stats["total"], DECAY)
+    decode = accumulate_onnx(body, score, stats["total"], DECAY, new)
     if new is None:  # the decode branch: one token, no prompt to observe
         return decode
     observed = stats["observed"]
