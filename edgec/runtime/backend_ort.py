@@ -49,6 +49,10 @@ class OrtStep:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        # idle pool threads sleep instead of spinning: a decode step is ~1,000 small nodes, and on a machine that
+        # is running anything else a spinning pool waits on a descheduled thread at every node — measured 2x
+        # slower decode on the shared 2-core box (docs/BENCHMARKS.md, "threads")
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if threads:
             options.intra_op_num_threads = threads
         providers = providers or ["CPUExecutionProvider"]
