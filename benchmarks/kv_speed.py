@@ -30,10 +30,6 @@ OUT = models.OUT
 CONTEXT = 8192
 BUNDLES = {  # runner name → (bundle folder, extra edgec build options)
     "edgec fp32, full fp32 cache": ("kv/smollm2-plain.edgec", []),
-    "edgec fp32, 1024 int8 slots": (
-        "kv/smollm2-speed-fp32-int8.edgec",
-        ["--kv-capacity", "1024", "--kv-dtype", "int8"],
-    ),
     "edgec int4, 1024 int8 slots": (
         "kv/smollm2-speed-int4-int8.edgec",
         ["--weights", "int4", "--kv-capacity", "1024", "--kv-dtype", "int8"],

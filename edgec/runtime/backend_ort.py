@@ -21,6 +21,7 @@ position -1 (the graph makes them write nothing) and binds one set of cache buff
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,9 @@ class OrtStep:
         options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
         # idle pool threads sleep instead of spinning: a decode step is ~1,000 small nodes, and on a machine that
         # is running anything else a spinning pool waits on a descheduled thread at every node — measured 2x
-        # slower decode on the shared 2-core box (docs/BENCHMARKS.md, "threads")
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # slower decode on the shared 2-core box (docs/BENCHMARKS.md, "threads"); on an idle, dedicated machine
+        # spinning can win a little: EDGEC_ORT_SPIN=1 restores ONNX Runtime's default
+        options.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("EDGEC_ORT_SPIN", "0"))
         if threads:
             options.intra_op_num_threads = threads
         providers = providers or ["CPUExecutionProvider"]
