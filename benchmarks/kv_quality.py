@@ -39,13 +39,15 @@ SMOLLM2_HEADS = (9, 3, 64)  # query heads, KV heads, head dim
 FP16_BYTES_PER_TOKEN = 23_040  # SmolLM2: 30 layers × 3 KV heads × (64 + 64) channels × 2 bytes
 
 
-def bundle(policy: str | None, dtype: str | None) -> Path:
+def bundle(policy: str | None, dtype: str | None, window: int | None = None) -> Path:
     """Build (once) a bundle with this cache; None/None = the plain (uncompressed, fp32) cache. Policies after
-    the first of a dtype are made from that one (see ``policy_variant``)."""
+    the first of a dtype, and other recent windows, are made from that one (see ``policy_variant``)."""
     name = f"smollm2-{policy}-{dtype}" if policy else "smollm2-plain"
-    path = OUT / f"{name}.edgec"
+    path = OUT / f"{name}{f'-w{window}' if window else ''}.edgec"
     if (path / "manifest.json").exists():
         return path
+    if window:
+        return policy_variant(bundle("h2o", dtype), policy, path, window)
     if policy and policy != "h2o":
         return policy_variant(bundle("h2o", dtype), policy, path)
     command = [sys.executable, "-m", "edgec.cli", "build", str(models.smollm2_gguf()), "-o", str(path)]
@@ -59,8 +61,9 @@ def bundle(policy: str | None, dtype: str | None) -> Path:
     return path
 
 
-def policy_variant(source: Path, policy: str, path: Path) -> Path:
-    """The same bundle with another eviction policy — a shortcut that saves a ~2-minute build per policy.
+def policy_variant(source: Path, policy: str, path: Path, window: int | None = None) -> Path:
+    """The same bundle with another eviction policy (and recent window) — a shortcut that saves a ~2-minute
+    build per policy.
 
     The kv_cache pass bakes the policy into the CompressedKVAttention function body only (its inputs, outputs
     and state are the same for every policy of one dtype), so the variant is the source graph with that
@@ -84,6 +87,9 @@ def policy_variant(source: Path, policy: str, path: Path) -> Path:
             os.link(source / name, staging / name)
     model = onnx.load(source / "model.onnx", load_external_data=False)
     settings = {**manifest["cache"]["compression"], "policy": policy}
+    if window:
+        settings["window"] = window
+        manifest["build_settings"]["kv_window"] = window
     opset = next(o.version for o in model.opset_import if o.domain == "")
     body = compressed_function.make_function(Compression(**settings), opset, compressed_function.Heads(*SMOLLM2_HEADS))
     functions = [f for f in model.functions if f.name != compressed_function.OP_TYPE]
@@ -134,12 +140,13 @@ def main() -> None:
     done_path = models.OUT / f"kv_quality_rows_{args.tokens}.jsonl"  # finished rows survive an interrupted run
     finished = [json.loads(line) for line in done_path.read_text().splitlines()] if done_path.exists() else []
 
-    def score(label: str, policy: str, dtype: str, path: Path, fraction: float | None) -> None:
+    def score(label: str, policy: str, dtype: str, path: Path, fraction: float | None, window: int = 64) -> None:
         capacity = None if fraction is None else int(args.tokens * fraction)
         if policy != "-" and capacity is None:
             capacity = args.tokens  # full capacity: no eviction, storage only
         for row in finished:
-            if (row["policy"], row["dtype"], row["capacity"]) == (policy, dtype, capacity or args.tokens):
+            key = (row["policy"], row["dtype"], row["capacity"], row.get("window", 64))
+            if key == (policy, dtype, capacity or args.tokens, window):
                 rows.append(row)
                 return
         started = time.time()
@@ -150,6 +157,7 @@ def main() -> None:
             "dtype": dtype,
             "capacity": capacity or args.tokens,
             "fraction": fraction or 1.0,
+            "window": window,
             "kv_bytes_per_token": kv_bytes(path, capacity, args.tokens),
             "perplexity": value,
             "seconds": round(time.time() - started, 1),
@@ -170,6 +178,13 @@ def main() -> None:
     for fraction in FRACTIONS:
         for policy in args.policies:
             score(f"{fraction:.1%} capacity", policy, "int4", bundle(policy, "int4"), fraction)
+    # H2O's own split: half the budget for the most recent tokens, half for the scored ones (streaming is all
+    # recent already). The default window (64) loses to streaming at 50 %, where recency is most of the answer.
+    for fraction in (0.5, 0.25, 0.125):
+        window = int(args.tokens * fraction) // 2
+        for policy in (p for p in args.policies if p != "streaming"):
+            label = f"{fraction:.1%} capacity, window {window}"
+            score(label, policy, "int8", bundle(policy, "int8", window), fraction, window)
     result = {
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {args.threads} threads",
