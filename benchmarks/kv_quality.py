@@ -173,18 +173,23 @@ def main() -> None:
     for fraction in (0.25, 0.5, 0.125):
         for policy in args.policies:
             score(f"{fraction:.1%} capacity", policy, "int8", bundle(policy, "int8"), fraction)
+
+    # H2O's own split: half the budget for the most recent tokens, half for the scored ones (streaming is all
+    # recent already). The default window (64) loses to streaming at 50 %, where recency is most of the answer.
+    def split_window(fraction: float) -> None:
+        window = int(args.tokens * fraction) // 2
+        for policy in (p for p in args.policies if p != "streaming"):
+            label = f"{fraction:.1%} capacity, window {window}"
+            score(label, policy, "int8", bundle(policy, "int8", window), fraction, window)
+
+    split_window(0.5)
     for dtype in ("fp8", "int4"):
         score("full capacity", "h2o", dtype, bundle("h2o", dtype), None)
     for fraction in FRACTIONS:
         for policy in args.policies:
             score(f"{fraction:.1%} capacity", policy, "int4", bundle(policy, "int4"), fraction)
-    # H2O's own split: half the budget for the most recent tokens, half for the scored ones (streaming is all
-    # recent already). The default window (64) loses to streaming at 50 %, where recency is most of the answer.
-    for fraction in (0.5, 0.25, 0.125):
-        window = int(args.tokens * fraction) // 2
-        for policy in (p for p in args.policies if p != "streaming"):
-            label = f"{fraction:.1%} capacity, window {window}"
-            score(label, policy, "int8", bundle(policy, "int8", window), fraction, window)
+    split_window(0.25)
+    split_window(0.125)
     result = {
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {args.threads} threads",
