@@ -324,6 +324,7 @@ def _build_into(
             **spec.to_json(),
             "bytes_per_token": spec.bytes_per_token(),
             "kv_bytes_per_token": spec.kv_bytes_per_token(),
+            "ring_kv_bytes": spec.ring_kv_bytes(),
             "total_bytes": spec.total_bytes(),
         },
         "tokenizer": {

@@ -355,6 +355,9 @@ def inspect(bundle) -> None:
             f"sink {compression['sink']}, window {compression['window']}, prefill-compress "
             f"{compression['prefill_compress']}; k+v {cache['kv_bytes_per_token']:,.0f} bytes/token"
         )
+    if cache.get("ring_kv_bytes"):
+        rings = sum(1 for layer in cache["layers"] if layer.get("window") and not layer.get("compressed"))
+        console.print(f"sliding-window rings: {rings} layers, {cache['ring_kv_bytes'] / 2**20:,.1f} MiB k+v (fixed)")
     validation = manifest["validation"]
     console.print(
         f"validation: top-1 agreement {validation['top1_agreement']:.0%}, "

@@ -53,6 +53,7 @@ SCHEMA_V1: dict[str, Any] = {
         "layers": [LAYER],
         "bytes_per_token": int,
         "kv_bytes_per_token?": NUMBER,
+        "ring_kv_bytes?": NUMBER,
         "total_bytes": int,
     },
     "tokenizer": {"file": str, "chat_format": (dict, type(None)), "chat_note": str},

@@ -77,13 +77,26 @@ class CacheSpec:
         """KV bytes one cached token costs across all layers (k + v, scales, score, position)."""
         return int(sum(layer.num_kv_heads * self._slot_bytes(layer) for layer in self.layers))
 
+    def _kv_value_bytes(self, layer: LayerCache) -> float:
+        plain = {"float32": "fp32", "float16": "fp16"}[self.dtype]
+        dtype = self.compression.dtype if layer.compressed else plain
+        group = self.compression.group if layer.compressed else 32
+        return layer.num_kv_heads * 2 * layer.head_dim * bytes_per_value(dtype, group)
+
     def kv_bytes_per_token(self) -> float:
-        """k + v bytes (scales included, bookkeeping excluded) per token: what compression ratios compare."""
-        dtype = self.compression.dtype if self.compression else {"float32": "fp32", "float16": "fp16"}[self.dtype]
-        group = self.compression.group if self.compression else 32
-        return sum(
-            layer.num_kv_heads * 2 * layer.head_dim * bytes_per_value(dtype if layer.compressed else "fp32", group)
-            for layer in self.layers
+        """k + v bytes (scales included, bookkeeping excluded) per cached token in the layers whose cache grows
+        with the context (global layers): what compression ratios compare. Sliding-window rings hold a fixed
+        number of tokens whatever the context: ``ring_kv_bytes``."""
+        return sum(self._kv_value_bytes(layer) for layer in self.layers if not layer.window or layer.compressed)
+
+    def ring_kv_bytes(self) -> int:
+        """k + v bytes of the sliding-window rings (fixed: they never hold more than their slots)."""
+        return int(
+            sum(
+                self._kv_value_bytes(layer) * layer.capacity
+                for layer in self.layers
+                if layer.window and not layer.compressed
+            )
         )
 
     def total_bytes(self) -> int:
