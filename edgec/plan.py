@@ -46,11 +46,13 @@ class ModelShape:
     vocab: int
     tied: bool
     max_context: int
+    windows: tuple[int, ...] = ()  # sliding window per layer (0 = global); empty = all global
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str) -> ModelShape:
         heads = config["num_attention_heads"]
         return cls(
+            windows=_layer_windows(config),
             name=name,
             layers=config["num_hidden_layers"],
             hidden=config["hidden_size"],
@@ -68,6 +70,19 @@ class ModelShape:
         mlp = 3 * self.hidden * self.intermediate
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
         return self.layers * (attention + mlp + 2 * self.hidden) + embeddings + self.hidden
+
+
+def _layer_windows(config: dict[str, Any]) -> tuple[int, ...]:
+    """As ``export.layer_windows`` (which reads a transformers config object), from a plain dict; Gemma 3
+    configs written before ``layer_types`` give a pattern instead (every n-th layer global)."""
+    layers, window = config["num_hidden_layers"], config.get("sliding_window") or 0
+    if not window:
+        return ()
+    if layer_types := config.get("layer_types"):
+        return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+    if pattern := config.get("sliding_window_pattern"):
+        return tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers))
+    return (window,) * layers if config.get("use_sliding_window", True) else ()
 
 
 @dataclass(frozen=True)
@@ -129,14 +144,19 @@ def estimate(model: ModelShape, target: Target, settings: Settings, concessions:
     copies = 2 if target.static_shapes else 1
     weights = int(model.parameters() * WEIGHT_BYTES[settings.weights]) * copies
     compressed = settings.capacity_fraction < 1 or settings.kv in ("int8", "int4", "fp8")
-    per_slot = (
-        model.layers
-        * model.kv_heads
-        * (2 * model.head_dim * KV_BYTES[settings.kv] + (SLOT_METADATA_BYTES if compressed else 0))
-    )
-    kv = int(settings.capacity * per_slot)
     compute = 2 if target.device != "cpu" else 4  # GPUs and NPUs compute in fp16, CPUs in fp32
     chunk = settings.prefill_chunk
+    # global layers hold `capacity` slots in the chosen KV dtype; a sliding-window layer is a ring of its window
+    # plus one prefill chunk in the compute dtype, whatever the context (export.cache_spec_for)
+    windows = model.windows or (0,) * model.layers
+    per_global_slot = model.kv_heads * (
+        2 * model.head_dim * KV_BYTES[settings.kv] + (SLOT_METADATA_BYTES if compressed else 0)
+    )
+    per_ring_slot = model.kv_heads * (2 * model.head_dim * compute + 8)
+    kv = sum(
+        min(settings.context, window + chunk) * per_ring_slot if window else settings.capacity * per_global_slot
+        for window in windows
+    )
     # one layer's transients during a prefill chunk (hidden states, MLP, attention scores) + the logits row
     activation = compute * chunk * (8 * model.hidden + 3 * model.intermediate + model.heads * settings.capacity)
     activation += 4 * model.vocab * (chunk if target.static_shapes else 1)
@@ -250,5 +270,8 @@ def _gguf_shape(path: Path) -> ModelShape:
         "vocab_size": value(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else 0),
         "tie_word_embeddings": "output.weight" not in names,
         "max_position_embeddings": value(f"{arch}.context_length", 0),
+        "sliding_window": value(f"{arch}.attention.sliding_window", 0),
     }
+    if arch == "gemma3":  # its GGUF states the window, not the layout: every 6th layer is global
+        config["sliding_window_pattern"] = 6
     return ModelShape.from_config(config, path.stem)
