@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--policies", nargs="*", default=list(POLICIES))
     parser.add_argument("--report", action="store_true", help="only print the table and plot from the last run")
+    parser.add_argument("--split-only", choices=["int8", "int4"], help="only the window = capacity/2 rows")
     args = parser.parse_args()
     if args.report:
         rows = json.loads((models.OUT / "kv_quality.json").read_text())["rows"]
@@ -176,20 +177,26 @@ def main() -> None:
 
     # H2O's own split: half the budget for the most recent tokens, half for the scored ones (streaming is all
     # recent already). The default window (64) loses to streaming at 50 %, where recency is most of the answer.
-    def split_window(fraction: float) -> None:
+    def split_window(fraction: float, dtype: str = "int8") -> None:
         window = int(args.tokens * fraction) // 2
         for policy in (p for p in args.policies if p != "streaming"):
             label = f"{fraction:.1%} capacity, window {window}"
-            score(label, policy, "int8", bundle(policy, "int8", window), fraction, window)
+            score(label, policy, dtype, bundle(policy, dtype, window), fraction, window)
 
+    if args.split_only:  # a second process over the same rows file: only the split-window rows of one dtype
+        for fraction in (0.5, 0.25, 0.125):
+            split_window(fraction, args.split_only)
+        return
     split_window(0.5)
     for dtype in ("fp8", "int4"):
         score("full capacity", "h2o", dtype, bundle("h2o", dtype), None)
     for fraction in FRACTIONS:
         for policy in args.policies:
             score(f"{fraction:.1%} capacity", policy, "int4", bundle(policy, "int4"), fraction)
-    split_window(0.25)
-    split_window(0.125)
+    split_window(0.5, "int4")
+    for fraction in (0.25, 0.125):
+        split_window(fraction)
+        split_window(fraction, "int4")
     result = {
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {args.threads} threads",
