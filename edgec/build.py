@@ -48,8 +48,8 @@ class BuildSettings:
     prefill_compress: str = "end"
     protect: str | None = None  # built-in protect heuristics applied by default at run time ("numbers,names")
     embedding_bits: int = 8  # int4: the (tied, stored once) embedding table: 8 = exact for a GGUF's Q8_0, 4 = smaller
-    quant_method: str = "rtn"  # int4: rtn (round to nearest) or gptq (calibrated: error-compensating rounding)
-    calib: str | None = None  # gptq: calibration text file; None = Python's own pydoc_data.topics
+    quant_method: str = "rtn"  # int4: rtn (round to nearest), awq (activation-aware scaling), gptq (error feedback)
+    calib: str | None = None  # awq/gptq: calibration text file; None = Python's own pydoc_data.topics
     int4_form: str | None = None  # matmulnbits (ONNX Runtime only) or qdq (portable); None = the target's
     allow_pickle: bool = False
     overwrite: bool = False
@@ -88,7 +88,7 @@ def _check_settings(settings: BuildSettings) -> Target:
 
 
 BUILDABLE_WEIGHTS = ("fp32", "fp16", "fp8", "int8", "int4")
-QUANT_METHODS = ("rtn", "gptq")
+QUANT_METHODS = ("rtn", "awq", "gptq")
 
 
 def pass_plan(
@@ -128,7 +128,9 @@ def pass_plan(
             f"{target.name} builds {form}"
         )
     if settings.calib is not None and settings.quant_method == "rtn":
-        raise BuildSettingsError("--calib is for a calibrated --quant-method (gptq); rtn needs no calibration text")
+        raise BuildSettingsError(
+            "--calib is for a calibrated --quant-method (awq, gptq); rtn needs no calibration text"
+        )
     if settings.calib is not None and not Path(settings.calib).is_file():
         raise BuildSettingsError(f"--calib {settings.calib}: no such file (give a UTF-8 text file)")
     names = [name for name in target.passes if not (name == "float16" and weights == "fp32")]
@@ -268,6 +270,19 @@ def _build_into(
             settings.calib,
             report=lambda done, total: progress("calibrate", done, total),
             with_output=settings.embedding_bits == 4,  # the lm_head (tied: the embedding) is then 4-bit too
+        )
+        timings["calibrate_s"] = time.perf_counter() - start
+    elif settings.quant_method == "awq":
+        from edgec.awq import awq
+
+        start = time.perf_counter()
+        awq(
+            loaded.causal_lm,
+            loaded.tokenizer,
+            settings.block_size,
+            planned_passes[1]["int4_weights"]["symmetric"],  # the grid the pass will round to
+            settings.calib,
+            report=lambda done, total: progress("calibrate", done, total),
         )
         timings["calibrate_s"] = time.perf_counter() - start
 

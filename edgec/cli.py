@@ -79,9 +79,10 @@ def main() -> None:
     "--quant-method",
     default="rtn",
     show_default=True,
-    help="int4: rtn (round to nearest) or gptq (calibrated on text; a few minutes on CPU for 135M).",
+    help="int4: rtn (round to nearest), awq (activation-aware scaling) or gptq (error feedback); awq and gptq "
+    "calibrate on text, a few minutes on CPU for 135M.",
 )
-@click.option("--calib", default=None, help="gptq: calibration text file [default: Python's pydoc_data.topics].")
+@click.option("--calib", default=None, help="awq/gptq: calibration text file [default: Python's pydoc_data.topics].")
 @click.option(
     "--int4-form",
     default=None,

@@ -89,7 +89,7 @@ def test_gptq_build_and_manifest(tiny_llama, tmp_path, monkeypatch, symmetric, e
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--weights", "int4", "--quant-method", "awq2"], "--quant-method must be one of rtn, gptq"),
+        (["--weights", "int4", "--quant-method", "awq2"], "--quant-method must be one of rtn, awq, gptq"),
         (["--weights", "fp32", "--quant-method", "gptq"], "needs --weights int4"),
         (["--weights", "int4", "--calib", "notes.txt"], "--calib is for a calibrated"),
         (["--weights", "int4", "--quant-method", "gptq", "--calib", "/nonexistent.txt"], "no such file"),
