@@ -113,8 +113,9 @@ def test_awq_output_error_is_below_round_to_nearest(symmetric, block_size):
     assert error(clipped) <= error(scaled) * 1.001
 
 
-@pytest.mark.parametrize("symmetric, embedding_bits", [(True, 4), (False, 8)])
-def test_awq_build_and_manifest(tiny_llama, tmp_path, monkeypatch, symmetric, embedding_bits):
+@pytest.mark.parametrize("symmetric, embedding_bits, form", [(True, 4, None), (False, 8, None), (True, 8, "qdq")])
+def test_awq_build_and_manifest(tiny_llama, tmp_path, monkeypatch, symmetric, embedding_bits, form):
+    """Either int4 form: the scaled weights are plain fp32 for whichever quantizer rounds them."""
     monkeypatch.setattr(awq_module, "WINDOWS", 4)
     monkeypatch.setattr(awq_module, "WINDOW", 64)
     settings = dict(context=64, prefill_chunk=16, weights="int4", block_size=32, symmetric=symmetric)
@@ -122,7 +123,7 @@ def test_awq_build_and_manifest(tiny_llama, tmp_path, monkeypatch, symmetric, em
     result = build(
         tiny_llama,
         tmp_path / "a.edgec",
-        BuildSettings(**settings, embedding_bits=embedding_bits, quant_method="awq"),
+        BuildSettings(**settings, embedding_bits=embedding_bits, quant_method="awq", int4_form=form),
         progress=lambda stage, done=None, total=None: seen.append((stage, done, total)),
     )
     assert result.manifest["build_settings"]["quant_method"] == "awq"
