@@ -109,7 +109,7 @@ def test_awq_output_error_is_below_round_to_nearest(symmetric, block_size):
         / scale
     )
     rounded = error(rtn(weight, block_size, symmetric))
-    assert error(scaled) < 0.8 * rounded
+    assert error(scaled) < 0.6 * rounded  # measured 0.36-0.47 (GPTQ: 0.73-0.81); with clipping 0.29-0.44
     assert error(clipped) <= error(scaled) * 1.001
 
 
