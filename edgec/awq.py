@@ -114,9 +114,8 @@ def layer_groups(causal_lm: torch.nn.Module, block_size: int) -> list[list[Group
     result = []
     for layer in body.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        mlp_norm = (
-            getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
-        )  # Gemma: sandwich
+        # Gemma's sandwich norms: the MLP reads pre_feedforward_layernorm (post_attention_layernorm ends attention)
+        mlp_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
         groups = []
         if hasattr(attention, "qkv_proj"):  # Phi-3: fused projections
             q, kv = heads * head_dim, kv_heads * head_dim
