@@ -38,6 +38,11 @@ EDGEC_VARIANTS = {
         OUT / "smollm2-cpu-int4-gptq.edgec",
         ["--quant-method", "gptq", "--block-size", "64", "--embedding-bits", "4"],
     ),
+    # genai's own int4 layout (symmetric block 32, 4-bit lm_head/table), rounded with AWQ: no offset products
+    "edgec-awq": (
+        OUT / "smollm2-cpu-int4-awq.edgec",
+        ["--quant-method", "awq", "--symmetric", "--embedding-bits", "4"],
+    ),
 }
 GENAI_MODEL = OUT / f"genai-{PRECISION}"
 CONTEXT = 2048  # enough for the 1024-token prompt + 64 new tokens; genai sizes its cache to max_length likewise
@@ -160,10 +165,15 @@ class EdgecGptqRunner(EdgecRunner):
     name, variant = "edgec int4 gptq block 64, zero points, 4-bit table", "edgec-gptq"
 
 
+class EdgecAwqRunner(EdgecRunner):
+    name, variant = "edgec int4 awq, symmetric block 32, 4-bit table", "edgec-awq"
+
+
 RUNNERS = {
     "edgec": EdgecRunner,
     "edgec-qdq": EdgecQdqRunner,
     "edgec-gptq": EdgecGptqRunner,
+    "edgec-awq": EdgecAwqRunner,
     "genai": GenaiRunner,
     "torch": TorchRunner,
 }
