@@ -247,7 +247,8 @@ def plot(results: dict, path: Path) -> None:
         runs = [results["speed"][name][n]["decode_tok_s_all"] for n in lengths]
         medians = [results["speed"][name][n]["decode_tok_s"] for n in lengths]
         pairs = list(zip(medians, runs, strict=True))
-        spread = [[m - min(r) for m, r in pairs], [max(r) - m for m, r in pairs]]
+        # the stored runs are rounded to 0.1: clamp so a median equal to a rounded extreme is no negative bar
+        spread = [[max(0, m - min(r)) for m, r in pairs], [max(0, max(r) - m) for m, r in pairs]]
         axes[0].bar(xs, medians, width, yerr=spread, capsize=3, label=name)
     axes[0].set_xticks(np.arange(len(lengths)) + width * (len(names) - 1) / 2, [f"prompt {n}" for n in lengths])
     axes[0].set_ylabel("decode tokens / s: median, min–max over rounds")
