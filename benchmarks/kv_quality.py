@@ -126,9 +126,10 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only print the table and plot from the last run")
     parser.add_argument("--split-only", choices=["int8", "int4"], help="only the window = capacity/2 rows")
     args = parser.parse_args()
-    if args.report:
-        rows = json.loads((models.OUT / "kv_quality.json").read_text())["rows"]
-        print_table(rows)
+    done_path = models.OUT / f"kv_quality_rows_{args.tokens}.jsonl"  # finished rows survive an interrupted run
+    if args.report:  # every finished row, in reading order
+        rows = [json.loads(line) for line in done_path.read_text().splitlines()]
+        print_table(sorted(rows, key=_reading_order))
         plot(rows, models.OUT / "kv_quality.png")
         return
     OUT.mkdir(parents=True, exist_ok=True)
@@ -138,7 +139,6 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(str(plain / "tokenizer.json"))
     ids = tokenizer.encode(models.austen_text()[5000:]).ids[: args.tokens]
     rows = []
-    done_path = models.OUT / f"kv_quality_rows_{args.tokens}.jsonl"  # finished rows survive an interrupted run
     finished = [json.loads(line) for line in done_path.read_text().splitlines()] if done_path.exists() else []
 
     def score(label: str, policy: str, dtype: str, path: Path, fraction: float | None, window: int = 64) -> None:
@@ -207,6 +207,15 @@ def main() -> None:
     (models.OUT / "kv_quality.json").write_text(json.dumps(result, indent=2))
     print_table(rows)
     plot(rows, models.OUT / "kv_quality.png")
+
+
+def _reading_order(row: dict) -> tuple:
+    """Uncompressed first, then full-capacity storage (int8, fp8, int4), then each budget from the largest:
+    int8 policies, int8 split window, int4 policies, int4 split window."""
+    dtypes = ("fp32", "int8", "fp8", "int4")
+    split = row.get("window", 64) != 64
+    policy = POLICIES.index(row["policy"]) if row["policy"] in POLICIES else -1
+    return (row["policy"] != "-", -row["fraction"], dtypes.index(row["dtype"]), split, policy)
 
 
 def print_table(rows: list[dict]) -> None:
