@@ -50,11 +50,11 @@ class OrtStep:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
-        # idle pool threads sleep instead of spinning: a decode step is ~1,000 small nodes, and on a machine that
-        # is running anything else a spinning pool waits on a descheduled thread at every node — measured 2x
-        # slower decode on the shared 2-core box (docs/BENCHMARKS.md, "threads"); on an idle, dedicated machine
-        # spinning can win a little: EDGEC_ORT_SPIN=1 restores ONNX Runtime's default
-        options.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("EDGEC_ORT_SPIN", "0"))
+        # ONNX Runtime's pool threads spin between nodes (its default, kept): on a dedicated machine that is what
+        # makes 2 threads pay (int4 decode 0.97x genai spinning vs 0.66x not). On a machine that runs anything
+        # else a spinning pool waits on a descheduled thread at every one of a step's ~1,000 small nodes:
+        # EDGEC_ORT_SPIN=0 made decode 2x faster there (docs/BENCHMARKS.md, "threads")
+        options.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("EDGEC_ORT_SPIN", "1"))
         if threads:
             options.intra_op_num_threads = threads
         providers = providers or ["CPUExecutionProvider"]
