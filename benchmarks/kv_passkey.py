@@ -49,6 +49,9 @@ def main() -> None:
     parser.add_argument("--capacities", default="512,1024")
     parser.add_argument("--policies", default="snapkv,streaming")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--split-window", action="store_true", help="recent window = capacity/2 (H2O's split), end mode only"
+    )
     args = parser.parse_args()
     from tokenizers import Tokenizer
 
@@ -60,13 +63,14 @@ def main() -> None:
     configs = [("uncompressed", None, None, None)]
     for policy in args.policies.split(","):
         for capacity in (int(c) for c in args.capacities.split(",")):
-            configs += [(policy, "int8", capacity, mode) for mode in ("end", "chunk")]
+            modes = ("end",) if args.split_window else ("end", "chunk")
+            configs += [(policy, "int8", capacity, mode) for mode in modes]
     rows = []
     for policy, dtype, capacity, mode in configs:
         if policy == "uncompressed":
             model = Model.load(plain_path, threads=args.threads)
         else:
-            path = kv_quality.bundle(policy, dtype)
+            path = kv_quality.bundle(policy, dtype, capacity // 2 if args.split_window else None)
             model = Model.load(path, threads=args.threads, kv_capacity=capacity, prefill_compress=mode)
         logprobs, found = [], []
         for _, _, context, answer in cases:
@@ -74,6 +78,7 @@ def main() -> None:
             logprobs.append(float(scores.sum()))
             found.append(bool((top1 == np.asarray(answer)).all()))
         row = {"policy": policy, "dtype": dtype, "capacity": capacity, "mode": mode, "key_logprob": logprobs}
+        row["window"] = capacity // 2 if args.split_window and capacity else 64
         row |= {"retrieved": sum(found), "cases": len(cases)}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -93,7 +98,7 @@ def main() -> None:
         "prompt_tokens": len(cases[0][2]),
         "rows": rows,
     }
-    (models.OUT / "kv_passkey.json").write_text(json.dumps(result, indent=2))
+    (models.OUT / f"kv_passkey{'_split' if args.split_window else ''}.json").write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
