@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from edgec.gptq import Report, calibration_text, quantize_grid, round_to_grid
+from edgec.gptq import Report, calibration_windows, quantize_grid, round_to_grid
 
 WINDOWS, WINDOW = 32, 512  # 16K calibration tokens, as GPTQ
 GRID = 20  # α ∈ {0, 0.05, ..., 0.95}
@@ -214,8 +214,7 @@ def awq(
 ) -> int:
     """Scale (and clip) the model's Linear weights in place for int4 round to nearest; returns how many layers."""
     report = report or (lambda done, total: None)
-    ids = torch.tensor(tokenizer(calibration_text(calib))["input_ids"], dtype=torch.long)
-    windows = [ids[i * WINDOW : (i + 1) * WINDOW] for i in range(min(WINDOWS, len(ids) // WINDOW))] or [ids]
+    windows = calibration_windows(tokenizer, calib, WINDOWS, WINDOW)
     layers = layer_groups(causal_lm, block_size)
     total = len(windows) + len(layers)
     report(0, total)

@@ -258,32 +258,9 @@ def _build_into(
     timings["load_s"] = time.perf_counter() - start
 
     progress("calibrate")
-    if settings.quant_method == "gptq":
-        from edgec.gptq import gptq
-
+    if settings.quant_method in ("gptq", "awq"):
         start = time.perf_counter()
-        gptq(
-            loaded.causal_lm,
-            loaded.tokenizer,
-            settings.block_size,
-            settings.symmetric,
-            settings.calib,
-            report=lambda done, total: progress("calibrate", done, total),
-            with_output=settings.embedding_bits == 4,  # the lm_head (tied: the embedding) is then 4-bit too
-        )
-        timings["calibrate_s"] = time.perf_counter() - start
-    elif settings.quant_method == "awq":
-        from edgec.awq import awq
-
-        start = time.perf_counter()
-        awq(
-            loaded.causal_lm,
-            loaded.tokenizer,
-            settings.block_size,
-            planned_passes[1]["int4_weights"]["symmetric"],  # the grid the pass will round to
-            settings.calib,
-            report=lambda done, total: progress("calibrate", done, total),
-        )
+        _calibrate(settings, loaded, planned_passes, report=lambda done, total: progress("calibrate", done, total))
         timings["calibrate_s"] = time.perf_counter() - start
 
     progress("export")
@@ -353,6 +330,30 @@ def _build_into(
     }
     # timings vary from run to run: reported, but kept out of the (reproducible) bundle
     return BuildResult(write_manifest(folder, manifest), {key: round(value, 2) for key, value in timings.items()})
+
+
+def _calibrate(settings: BuildSettings, loaded, planned_passes, report) -> None:
+    """Round the torch model's Linear weights with a calibrated method before export (the int4 pass then finds
+    the weights on its grids)."""
+    if settings.quant_method == "gptq":
+        from edgec.gptq import gptq
+
+        # the lm_head (tied: the embedding) is 4-bit too with a 4-bit table
+        with_output = settings.embedding_bits == 4
+        gptq(
+            loaded.causal_lm,
+            loaded.tokenizer,
+            settings.block_size,
+            settings.symmetric,
+            settings.calib,
+            report,
+            with_output,
+        )
+    else:
+        from edgec.awq import awq
+
+        symmetric = planned_passes[1]["int4_weights"]["symmetric"]  # the grid the pass will round to
+        awq(loaded.causal_lm, loaded.tokenizer, settings.block_size, symmetric, settings.calib, report)
 
 
 def _spec_after_passes(spec, model, compression_settings: dict | None):

@@ -32,6 +32,12 @@ def calibration_text(path: str | Path | None) -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
+def calibration_windows(tokenizer, calib: str | Path | None, count: int, length: int) -> list[torch.Tensor]:
+    """Up to ``count`` windows of ``length`` token ids of the calibration text (the whole text if shorter)."""
+    ids = torch.tensor(tokenizer(calibration_text(calib))["input_ids"], dtype=torch.long)
+    return [ids[i * length : (i + 1) * length] for i in range(min(count, len(ids) // length))] or [ids]
+
+
 def quantize_grid(weight: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``weight`` [rows, block]: (scale, zero) of the int4 grid, as the int4 pass defines it.
     Symmetric: step absmax/7, levels -8..7. Otherwise min/max (widened to hold 0), levels 0..15 - zero."""
@@ -140,8 +146,7 @@ def gptq(
 ) -> int:
     """Round the model's Linear weights in place with GPTQ; returns how many layers were rounded."""
     report = report or (lambda done, total: None)
-    ids = torch.tensor(tokenizer(calibration_text(calib))["input_ids"], dtype=torch.long)
-    windows = [ids[i * WINDOW : (i + 1) * WINDOW] for i in range(min(WINDOWS, len(ids) // WINDOW))] or [ids]
+    windows = calibration_windows(tokenizer, calib, WINDOWS, WINDOW)
     layers = linear_layers(causal_lm, block_size, with_output)
     report(0, len(layers) + 1)
     hessians = input_hessians(causal_lm, layers, windows)

@@ -139,15 +139,7 @@ def _shared_embedding(model: ir.Model, block_size: int, symmetric: bool, accurac
     logits = tape.op(
         "MatMulNBits",
         [output_layer.inputs[0], data, scale] + ([zero] if zero is not None else []),
-        # 8-bit weights always compute with int8 activations (level 4): ONNX Runtime has no fast fp32 kernel for
-        # them (SmolLM2's lm_head alone takes 85 ms a step at level 1)
-        attributes={
-            "K": columns,
-            "N": rows,
-            "bits": bits,
-            "block_size": block_size,
-            "accuracy_level": accuracy_level if bits == 4 else 4,
-        },
+        attributes=_matmul_nbits_attributes(columns, rows, bits, block_size, accuracy_level),
         domain="com.microsoft",
     )
     graph.insert_before(output_layer, tape.nodes)
@@ -367,15 +359,7 @@ def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_le
         result = tape.op(
             "MatMulNBits",
             inputs,
-            # the 8-bit lm_head always computes with int8 activations (level 4): ONNX Runtime has no fast fp32 kernel
-            # for 8-bit weights (SmolLM2's lm_head alone takes 85 ms a step at level 1)
-            attributes={
-                "K": k,
-                "N": n,
-                "bits": bits,
-                "block_size": block_size,
-                "accuracy_level": accuracy_level if bits == 4 else 4,
-            },
+            attributes=_matmul_nbits_attributes(k, n, bits, block_size, accuracy_level),
             domain="com.microsoft",
         )
         if offsets is not None:
@@ -395,3 +379,10 @@ def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_le
         if not weight.uses():
             graph.initializers.pop(weight.name)
     model.opset_imports.setdefault("com.microsoft", 1)
+
+
+def _matmul_nbits_attributes(k: int, n: int, bits: int, block_size: int, accuracy_level: int) -> dict[str, int]:
+    # 8-bit weights always compute with int8 activations (level 4): ONNX Runtime has no fast fp32 kernel for them
+    # (SmolLM2's lm_head alone takes 85 ms a step at level 1)
+    level = accuracy_level if bits == 4 else 4
+    return {"K": k, "N": n, "bits": bits, "block_size": block_size, "accuracy_level": level}

@@ -363,7 +363,8 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
     if compression.quantized:
         k_scale = b.op("Transpose", active_slots("k_scale"), perm=[0, 1, 3, 2])  # [B,Hkv,D/G,A]
         v_scale = b.op("Transpose", active_slots("v_scale"), perm=[0, 1, 3, 2])
-        scores_old = _scaled_scores(b, queries, raw_k, k_scale, heads, compression.group)
+        group_mask = _group_mask(b, heads, compression.group)
+        scores_old = _scaled_scores(b, queries, raw_k, k_scale, group_mask, heads, compression.group)
     else:
         scores_old = b.op("MatMul", queries, b.op("Transpose", raw_k, perm=[0, 1, 3, 2]))  # [B,Hkv,G,A]
     scores_new = b.op("MatMul", queries, b.op("Transpose", "k", perm=[0, 1, 3, 2]))  # [B,Hkv,G,1]
@@ -380,7 +381,7 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
     probs_old = b.op("Slice", probs, b.i64([0]), active, b.i64([-1]))
     probs_new = b.op("Slice", probs, active, b.i64([HUGE]), b.i64([-1]))  # [B,Hkv,G,1]
     if compression.quantized:
-        context_old = _scaled_context(b, probs_old, raw_v, v_scale, heads, compression.group)
+        context_old = _scaled_context(b, probs_old, raw_v, v_scale, group_mask, heads, compression.group)
     else:
         context_old = b.op("MatMul", probs_old, raw_v)
     context = b.op("Add", context_old, b.op("Mul", probs_new, "v"))  # [B,Hkv,G,D]
@@ -421,9 +422,9 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
     arriving |= {"pos": new_pos, "score": score_new}
     current = {name: name for name in state_names(compression)} | {"score": score_old}
     # one slot index for all channels of the arriving row (Expand broadcasts [B,Hkv,1,1] to [B,Hkv,1,W])
-    widths = {"k_cache": heads.dim // 2 if compression.dtype == "int4" else heads.dim, "v_cache": None}
-    widths["v_cache"] = widths["k_cache"]
-    widths |= {"k_scale": heads.dim // compression.group, "v_scale": heads.dim // compression.group}
+    stored = heads.dim // 2 if compression.dtype == "int4" else heads.dim
+    groups = heads.dim // compression.group
+    widths = {"k_cache": stored, "v_cache": stored, "k_scale": groups, "v_scale": groups}
     slot_rows = {}
     written = {}
     for name in state_names(compression):
@@ -448,12 +449,12 @@ def _group_mask(b: Body, heads: Heads, group: int) -> str:
     return b.op("Constant", value=onnx.numpy_helper.from_array(mask[:, None, :], "group_mask"), name="group_mask")
 
 
-def _scaled_scores(b: Body, queries: str, raw_k: str, k_scale: str, heads: Heads, group: int) -> str:
+def _scaled_scores(b: Body, queries: str, raw_k: str, k_scale: str, group_mask: str, heads: Heads, group: int) -> str:
     """q · (raw k × its group scales) without scaling k: one product per (group, query row), each masked to
     its group's channels, then the per-slot scales weight the groups — D/G × G rows of work instead of A × D.
     queries [B,Hkv,Gq,D], raw_k [B,Hkv,A,D], k_scale [B,Hkv,D/G,A] → [B,Hkv,Gq,A]."""
     groups, per_kv = heads.dim // group, heads.query // heads.kv
-    split = b.op("Mul", b.op("Unsqueeze", queries, b.i64([2])), _group_mask(b, heads, group))  # [B,Hkv,D/G,Gq,D]
+    split = b.op("Mul", b.op("Unsqueeze", queries, b.i64([2])), group_mask)  # [B,Hkv,D/G,Gq,D]
     split = b.op("Reshape", split, b.i64([0, 0, groups * per_kv, heads.dim]))
     partial = b.op("MatMul", split, b.op("Transpose", raw_k, perm=[0, 1, 3, 2]))  # [B,Hkv,D/G·Gq,A]
     partial = b.op("Reshape", partial, b.i64([0, 0, groups, per_kv, -1]))
@@ -461,7 +462,7 @@ def _scaled_scores(b: Body, queries: str, raw_k: str, k_scale: str, heads: Heads
     return b.op("ReduceSum", weighted, b.i64([2]), keepdims=0)
 
 
-def _scaled_context(b: Body, probs: str, raw_v: str, v_scale: str, heads: Heads, group: int) -> str:
+def _scaled_context(b: Body, probs: str, raw_v: str, v_scale: str, group_mask: str, heads: Heads, group: int) -> str:
     """probs · (raw v × its group scales): the scales weight the probabilities once per group, the product
     runs on the raw values, and each group keeps its own channels. probs [B,Hkv,Gq,A], raw_v [B,Hkv,A,D],
     v_scale [B,Hkv,D/G,A] → [B,Hkv,Gq,D]."""
@@ -469,7 +470,7 @@ def _scaled_context(b: Body, probs: str, raw_v: str, v_scale: str, heads: Heads,
     weighted = b.op("Mul", b.op("Unsqueeze", probs, b.i64([2])), b.op("Unsqueeze", v_scale, b.i64([3])))
     weighted = b.op("Reshape", weighted, b.i64([0, 0, groups * per_kv, -1]))  # [B,Hkv,D/G·Gq,A]
     partial = b.op("Reshape", b.op("MatMul", weighted, raw_v), b.i64([0, 0, groups, per_kv, heads.dim]))
-    return b.op("ReduceSum", b.op("Mul", partial, _group_mask(b, heads, group)), b.i64([2]), keepdims=0)
+    return b.op("ReduceSum", b.op("Mul", partial, group_mask), b.i64([2]), keepdims=0)
 
 
 def _index_order(b: Body, indices: str, replace: str, tail: str, count: str) -> str:
