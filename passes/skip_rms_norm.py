@@ -35,6 +35,8 @@ def skip_rms_norm(model: ir.Model) -> int:
             domain="com.microsoft",
             num_outputs=4,
         )
+        for unused in outputs[1:3]:  # mean and 1/std: named, ORT would allocate and write them at every node
+            unused.name = ""
         graph.insert_before(add, tape.nodes)
         take_over(norm.outputs[0], outputs[0])
         take_over(add.outputs[0], outputs[3])
