@@ -122,11 +122,6 @@ def pass_plan(
     if form not in ("matmulnbits", "qdq") or (form == "matmulnbits" and not ort):
         allowed = "matmulnbits or qdq" if ort else "qdq"
         raise BuildSettingsError(f"--int4-form for {target.name} ({target.runtime}) is {allowed}, got {form}")
-    if settings.quant_method == "gptq" and form != "matmulnbits":
-        raise BuildSettingsError(
-            "--quant-method gptq needs the MatMulNBits form (an ONNX Runtime target, --int4-form matmulnbits); "
-            f"{target.name} builds {form}"
-        )
     if settings.calib is not None and settings.quant_method == "rtn":
         raise BuildSettingsError(
             "--calib is for a calibrated --quant-method (awq, gptq); rtn needs no calibration text"
@@ -151,7 +146,8 @@ def pass_plan(
         options["int4_weights"] = {
             "block_size": settings.block_size,
             "form": form,
-            "symmetric": settings.symmetric or form == "qdq",
+            # TensorRT reads INT4 DequantizeLinear without zero points; ONNX Runtime reads either
+            "symmetric": settings.symmetric or (form == "qdq" and not ort),
             "accuracy_level": settings.accuracy_level,
             "embedding_bits": settings.embedding_bits,
         }

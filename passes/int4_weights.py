@@ -10,7 +10,9 @@ Round to nearest per block of ``block_size`` input channels, with a zero point u
   small second product: ``Y = MatMulNBits(A, Q) + blocksum(A) @ offsets`` (offsets: [K/block, N], fp32). The
   embedding (``GatherBlockQuantized``) and the lm_head, the most sensitive matrices, get 8 bits per block
   (absmax/127: exact for a GGUF's Q8_0 blocks).
-- ``qdq``: standard ``DequantizeLinear`` (int4, blocked) + ``MatMul`` (ORT's quantizer) — portable (TensorRT-RTX).
+- ``qdq``: standard ``DequantizeLinear`` (int4, blocked along K) + ``MatMul``, the same numbers — portable
+  (TensorRT-RTX reads it symmetric; ONNX Runtime also with zero points and fuses each pair into MatMulNBits).
+  The embedding table stays fp32 in this form.
 
 A tied lm_head reads the embedding through ``Transpose``; the quantizer needs a constant weight, so the transpose
 is materialised first (the int4 copy costs 0.56 bytes per parameter of the table, not 4).
@@ -18,12 +20,12 @@ is materialised first (the int4 copy costs 0.56 bytes per parameter of the table
 
 from __future__ import annotations
 
-import logging
-
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common
 
-from edgec.passes._graph import replace_contents, take_over
+from edgec.passes._graph import take_over
 
 FORMS = ("matmulnbits", "qdq")
 BLOCK_SIZES = (32, 64, 128)
@@ -38,30 +40,62 @@ def int4_weights(
     embedding_bits: int = 8,
 ) -> int:
     """Rewrite in place; returns how many weights were quantized."""
-    from onnxruntime.quantization import QuantFormat
-    from onnxruntime.quantization import matmul_nbits_quantizer as quantizer
-
     if form not in FORMS or block_size not in BLOCK_SIZES:
         raise ValueError(f"form must be one of {FORMS} and block_size one of {BLOCK_SIZES}")
     _materialize_transposed_weights(model)
-    portable = form == "qdq"
-    if not portable:
-        _shared_embedding(model, block_size, symmetric, accuracy_level, embedding_bits)
-        _matmul_nbits(model, block_size, symmetric, accuracy_level, bits=4)
-        _gather_block_quantized(model, block_size)
-        return sum(node.op_type in ("MatMulNBits", "GatherBlockQuantized") for node in model.graph)
-    config = quantizer.DefaultWeightOnlyQuantConfig(
-        block_size=block_size,
-        is_symmetric=symmetric,
-        quant_format=QuantFormat.QDQ,
-        op_types_to_quantize=("MatMul",),
-        quant_axes=(("MatMul", 0),),
-    )
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
-    work = quantizer.MatMulNBitsQuantizer(ir.serde.serialize_model(model), algo_config=config)
-    work.process()
-    replace_contents(model, work.model.model)
-    return sum(node.op_type == "DequantizeLinear" for node in model.graph)
+    if form == "qdq":
+        _dequantize_linear(model, block_size, symmetric)
+        return sum(node.op_type == "DequantizeLinear" for node in model.graph)
+    _shared_embedding(model, block_size, symmetric, accuracy_level, embedding_bits)
+    _matmul_nbits(model, block_size, symmetric, accuracy_level, bits=4)
+    _gather_block_quantized(model, block_size)
+    return sum(node.op_type in ("MatMulNBits", "GatherBlockQuantized") for node in model.graph)
+
+
+def _dequantize_linear(model: ir.Model, block_size: int, symmetric: bool) -> None:
+    """Every MatMul with a constant fp32 weight [K, N] → MatMul(A, DequantizeLinear(W4, scales[, zero points],
+    axis 0, block_size)): INT4 without zero points when ``symmetric`` (what TensorRT reads), else UINT4 with
+    integer zero points. The numbers are this module's (grid-aware: a block AWQ/GPTQ or a GGUF put on a grid keeps
+    it), not a second quantizer's; a Q4_1 block (float offset) has no DequantizeLinear form and is rounded to
+    nearest. ONNX Runtime turns each pair back into MatMulNBits when it loads the graph."""
+    graph = model.graph
+    for node in list(graph):
+        weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" else None
+        if weight is None or not weight.is_initializer() or weight.const_value is None or len(weight.shape) != 2:
+            continue
+        if weight.dtype != ir.DataType.FLOAT:
+            continue
+        array = weight.const_value.numpy()
+        k, n = array.shape
+        blocks = -(-k // block_size)
+        zero_points = None
+        if symmetric:
+            packed, scales, _ = quantize_blocks(array, block_size, symmetric=True)
+            levels = (_unpack(packed, k) - 8).astype(ml_dtypes.int4)
+        else:
+            packed, scales, offsets, zero_points = quantize_weight(array, block_size, symmetric=False)
+            if offsets is not None:
+                packed, scales, zero_points = quantize_blocks_zero_point(array, block_size)
+            levels = _unpack(packed, k).astype(ml_dtypes.uint4)
+            zero_points = _unpack(zero_points, blocks).astype(ml_dtypes.uint4)
+        inputs = [_constant(graph, f"{weight.name}.int4", levels)]
+        inputs.append(_constant(graph, f"{weight.name}.scales", scales.reshape(n, blocks).T.copy()))
+        if zero_points is not None:
+            inputs.append(_constant(graph, f"{weight.name}.zero_points", zero_points))
+        tape = ir.tape.Tape(graph_like=graph)
+        dequantized = tape.op("DequantizeLinear", inputs, attributes={"axis": 0, "block_size": block_size})
+        graph.insert_before(node, tape.nodes)
+        node.replace_input_with(1, dequantized)
+        if not weight.uses():
+            graph.initializers.pop(weight.name)
+
+
+def _unpack(packed: np.ndarray, rows: int) -> np.ndarray:
+    """Packed 4-bit values [N, ..., bytes] (low nibble first) → [rows, N]: the first ``rows`` values of each of
+    the N rows, transposed (the padding of a last partial block dropped)."""
+    n = packed.shape[0]
+    values = np.stack([packed & 15, packed >> 4], -1).reshape(n, -1)
+    return np.ascontiguousarray(values[:, :rows].T)
 
 
 def _gather_block_quantized(model: ir.Model, block_size: int) -> None:
@@ -182,21 +216,45 @@ def _output_projection(graph: ir.Graph) -> ir.Node | None:
 
 def _materialize_transposed_weights(model: ir.Model) -> None:
     """Transpose(W) feeding a MatMul, and Gemm(x, W, transB=1), become MatMul with a constant W^T."""
+    flattened = False
     for node in list(model.graph):
         if node.op_type == "Gemm" and _plain_transposed_gemm(node):
             x, weight = node.inputs[:2]
             transposed = _transposed_copy(model, weight)
+            unflatten = _flatten_round_trip(node)
             tape = ir.tape.Tape(graph_like=model.graph)
-            product = tape.op("MatMul", [x, transposed])
+            # MatMulNBits takes [..., K] as it is: the Reshape to 2-D and back that Gemm needed go (4 nodes a step)
+            product = tape.op("MatMul", [x.producer().inputs[0] if unflatten else x, transposed])
             model.graph.insert_before(node, tape.nodes)
-            take_over(node.outputs[0], product)
-            model.graph.remove(node, safe=True)
+            take_over((unflatten or node).outputs[0], product)
+            model.graph.remove([node, unflatten] if unflatten else node, safe=True)
+            flattened |= unflatten is not None
             continue
         source = node.inputs[0] if node.inputs else None
         if node.op_type != "Transpose" or source is None or not source.is_initializer() or len(source.shape) != 2:
             continue
         node.outputs[0].replace_all_uses_with(_transposed_copy(model, source))
         model.graph.remove(node, safe=True)
+    if flattened:
+        onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
+
+
+def _flatten_round_trip(gemm: ir.Node) -> ir.Node | None:
+    """The final Reshape when ``gemm`` is wrapped as passes/transposed_weight_gemm.py wraps it —
+    Reshape(x, [-1, K]) → Gemm → Reshape(·, Concat(Shape(x)[:-1], [N])) — else None."""
+    flatten = gemm.inputs[0].producer()
+    users = gemm.outputs[0].uses()
+    if flatten is None or flatten.op_type != "Reshape" or len(users) != 1 or len(flatten.outputs[0].uses()) != 1:
+        return None
+    unflatten = users[0].node
+    concat = unflatten.inputs[1].producer() if unflatten.op_type == "Reshape" else None
+    shape = concat.inputs[0].producer() if concat is not None and concat.op_type == "Concat" else None
+    end = shape.attributes.get("end") if shape is not None and shape.op_type == "Shape" else None
+    x = flatten.inputs[0]
+    start = shape.attributes.get("start") if end is not None else None
+    if end is None or end.as_int() != -1 or (start is not None and start.as_int()) or shape.inputs[0] is not x:
+        return None
+    return unflatten
 
 
 def _plain_transposed_gemm(node: ir.Node) -> bool:

@@ -94,7 +94,6 @@ def test_gptq_build_and_manifest(tiny_llama, tmp_path, monkeypatch, symmetric, e
         (["--weights", "int4", "--calib", "notes.txt"], "--calib is for a calibrated"),
         (["--weights", "int4", "--quant-method", "gptq", "--calib", "/nonexistent.txt"], "no such file"),
         (["--weights", "int4", "--embedding-bits", "6"], "--embedding-bits must be 4 or 8"),
-        (["--weights", "int4", "--quant-method", "gptq", "--target", "rtx4090"], "needs the MatMulNBits form"),
         (["--weights", "int4", "--int4-form", "nbits"], "--int4-form for cpu (ort-cpu) is matmulnbits or qdq"),
         (["--weights", "int4", "--int4-form", "matmulnbits", "--target", "rtx4090"], "is qdq, got matmulnbits"),
     ],

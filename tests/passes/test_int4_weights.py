@@ -156,6 +156,9 @@ def test_tied_embedding_is_one_shared_4_bit_table(tmp_path, tiny_tokenizer, symm
     reshape = next(n for n in graph.node if n.output[0] == gather.input[0])
     # the gather reads the lm_head's packed weight (through a Reshape): one table in the file
     assert any(n.op_type == "MatMulNBits" and n.input[1] == reshape.input[0] for n in graph.node)
+    # the lm_head reads the [1, T, hidden] rows as they are: no Reshape to 2-D and back around it
+    (head,) = [n for n in graph.node if "logits" in n.output]
+    assert head.op_type == "MatMulNBits" and not {"Shape", "Concat"} & {n.op_type for n in graph.node}
     tables = [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2]
     assert all(name.endswith((".offsets", "_cache")) for name in tables)  # no float copy of the table is left
     ids = np.random.default_rng(8).integers(0, 384, 48).tolist()
@@ -163,3 +166,79 @@ def test_tied_embedding_is_one_shared_4_bit_table(tmp_path, tiny_tokenizer, symm
     # 4-bit RTN of every N(0, 0.15) weight of a tiny random model moves log-probabilities, but they stay related
     assert np.corrcoef(a.logprobs(ids), b.logprobs(ids))[0, 1] > 0.8
     assert quantized.manifest["build_settings"]["embedding_bits"] == 4
+
+
+def matmul_model(weight: np.ndarray):
+    """y = x @ weight, weight a constant [K, N] (the shape of every linear layer after export)."""
+    import onnx_ir as ir
+
+    k, n = weight.shape
+    floats = ir.TensorType(ir.DataType.FLOAT)
+    x = ir.Value(name="x", shape=ir.Shape([1, 3, k]), type=floats)
+    graph = ir.Graph([x], [], nodes=[], opset_imports={"": 23})
+    tape = ir.tape.Tape(graph_like=graph)
+    y = tape.op("MatMul", [x, tape.initializer(ir.tensor(weight, name="weight"))])
+    graph.extend(tape.nodes)
+    graph.outputs.append(y)
+    y.name = "y"
+    return ir.Model(graph, ir_version=10)
+
+
+def run_matmul(model, x: np.ndarray) -> np.ndarray:
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    # unoptimized: ORT would fuse DequantizeLinear + MatMul into MatMulNBits with int8 activations (level 4)
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    proto = ir.serde.serialize_model(model).SerializeToString()
+    return ort.InferenceSession(proto, options, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("k", [64, 80])  # 80: a partial last block
+def test_dequantize_linear_form_carries_grids_exactly(symmetric, k):
+    """The portable form stores the same numbers as MatMulNBits: weights already on a 4-bit grid (symmetric: a Q4_0
+    or AWQ/GPTQ block; with zero points: an integer-zero-point grid) come back exactly through ONNX Runtime."""
+    rng = np.random.default_rng(11)
+    step = rng.uniform(0.01, 0.05, (-(-k // 32), 7)).repeat(32, 0)[:k]
+    if symmetric:
+        levels = rng.integers(-8, 8, (k, 7))
+    else:
+        zero = rng.integers(0, 16, (-(-k // 32), 7)).repeat(32, 0)[:k]
+        levels = rng.integers(0, 16, (k, 7)) - zero
+    weight = (step * levels).astype(np.float32)
+    model = matmul_model(weight)
+    int4._materialize_transposed_weights(model)
+    int4._dequantize_linear(model, 32, symmetric)
+    (dq,) = [node for node in model.graph if node.op_type == "DequantizeLinear"]
+    data = dq.inputs[0].const_value
+    assert str(data.dtype) == ("INT4" if symmetric else "UINT4") and len(dq.inputs) == (2 if symmetric else 3)
+    assert dq.attributes["axis"].as_int() == 0 and dq.attributes["block_size"].as_int() == 32
+    x = rng.standard_normal((1, 3, k)).astype(np.float32)
+    np.testing.assert_allclose(run_matmul(model, x), x @ weight.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
+def test_dequantize_linear_form_rounds_a_q4_1_block_to_nearest():
+    """A Q4_1 block's minimum is no multiple of its step: DequantizeLinear has no float offsets, so such weights
+    get round to nearest with integer zero points — within half a step, not exact."""
+    rng = np.random.default_rng(12)
+    weight = q4_1_like(rng, 64, 5)
+    model = matmul_model(weight)
+    int4._dequantize_linear(model, 32, symmetric=False)
+    x = np.eye(64, dtype=np.float32)[None, :3]  # rows of the identity read back three rows of the weight
+    blocks = weight.reshape(2, 32, 5)
+    step = (np.maximum(blocks.max(1), 0) - np.minimum(blocks.min(1), 0)) / 15  # the grid holds 0 at an integer
+    assert (np.abs(run_matmul(model, x)[0] - weight[:3]) <= step[0] / 2 + 1e-5).all()
+
+
+def test_portable_form_has_zero_points_only_where_the_runtime_reads_them():
+    from edgec.build import pass_plan
+    from edgec.targets import load_target
+
+    def plan(target: str, **settings) -> dict:
+        return pass_plan(load_target(target), BuildSettings(weights="int4", **settings))[1]["int4_weights"]
+
+    assert plan("rtx3060")["form"] == "qdq" and plan("rtx3060")["symmetric"]  # TensorRT: INT4 without zero points
+    assert plan("cpu", int4_form="qdq") == {**plan("cpu"), "form": "qdq"}  # ONNX Runtime reads both
+    assert plan("cpu", int4_form="qdq", symmetric=True)["symmetric"]
