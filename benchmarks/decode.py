@@ -4,8 +4,11 @@
     python benchmarks/decode.py --precision int4     # edgec --weights int4 vs onnxruntime-genai -p int4
     python benchmarks/decode.py --rounds 7 --threads 2
 
-Speed is measured in ONE process with the runtimes alternating round by round (2-thread ONNX Runtime speed varies
-~25 % between processes on this machine, but agrees closely inside one); medians are reported, with ratios.
+Speed is measured with the runtimes alternating round by round inside a process, in ``--processes`` fresh worker
+processes one after another, each with the runtimes in a rotated order: a loaded instance's speed moves by a few
+percent from one process to the next (memory placement; identical bundles loaded twice differ by up to 3 %), and
+the order inside a round matters too. Reported: the median tok/s over every round of every process, and the median
+of the per-round ratios to onnxruntime-genai (each pair ran back to back), with the spread of the per-process ones.
 Peak RSS is measured per runtime in its own fresh process (load + 1024-token prefill + 64 decode steps).
 Results: benchmarks/out/decode.json and decode.png; paste the printed table into docs/BENCHMARKS.md.
 """
@@ -32,16 +35,26 @@ PRECISION = "int4" if "int4" in sys.argv else "fp32"  # chosen before the runner
 EDGEC_BUNDLE = OUT / f"smollm2-cpu-{PRECISION}.edgec"
 # int4 variants of the edgec build, each its own runner: runner name → (bundle, extra `edgec build` flags)
 EDGEC_VARIANTS = {
+    # the default: the GGUF's Q4_1 blocks carried across exactly (MatMulNBits + a per-block offset product)
     "edgec": (EDGEC_BUNDLE, []),
-    "edgec-qdq": (OUT / "smollm2-cpu-int4-qdq.edgec", ["--int4-form", "qdq"]),
-    "edgec-gptq": (
-        OUT / "smollm2-cpu-int4-gptq.edgec",
-        ["--quant-method", "gptq", "--block-size", "64", "--embedding-bits", "4"],
-    ),
-    # genai's own int4 layout (symmetric block 32, 4-bit lm_head/table), rounded with AWQ: no offset products
+    # genai's own int4 layout (symmetric block 32, 4-bit shared table), rounded with AWQ: the like-for-like check
     "edgec-awq": (
         OUT / "smollm2-cpu-int4-awq.edgec",
         ["--quant-method", "awq", "--symmetric", "--embedding-bits", "4"],
+    ),
+    # the recommended fast build: AWQ, block 64 with integer zero points, 4-bit shared table (MatMulNBits)
+    "edgec-awq64": (
+        OUT / "smollm2-cpu-int4-awq64.edgec",
+        ["--quant-method", "awq", "--block-size", "64", "--embedding-bits", "4"],
+    ),
+    # the same numbers in the portable form: DequantizeLinear(uint4, block 64, zero points) + MatMul (fp32 table)
+    "edgec-qdq": (
+        OUT / "smollm2-cpu-int4-qdq-awq64.edgec",
+        ["--int4-form", "qdq", "--quant-method", "awq", "--block-size", "64"],
+    ),
+    "edgec-gptq": (
+        OUT / "smollm2-cpu-int4-gptq.edgec",
+        ["--quant-method", "gptq", "--block-size", "64", "--embedding-bits", "4"],
     ),
 }
 GENAI_MODEL = OUT / f"genai-{PRECISION}"
@@ -158,7 +171,7 @@ class TorchRunner:
 
 
 class EdgecQdqRunner(EdgecRunner):
-    name, variant = "edgec int4 DequantizeLinear+MatMul", "edgec-qdq"
+    name, variant = "edgec int4 DequantizeLinear+MatMul, awq block 64, zero points", "edgec-qdq"
 
 
 class EdgecGptqRunner(EdgecRunner):
@@ -166,7 +179,11 @@ class EdgecGptqRunner(EdgecRunner):
 
 
 class EdgecAwqRunner(EdgecRunner):
-    name, variant = "edgec int4 awq, symmetric block 32, 4-bit table", "edgec-awq"
+    name, variant = "edgec int4 awq, symmetric block 32, 4-bit table (genai's layout)", "edgec-awq"
+
+
+class EdgecAwq64Runner(EdgecRunner):
+    name, variant = "edgec int4 awq block 64, zero points, 4-bit table", "edgec-awq64"
 
 
 RUNNERS = {
@@ -174,6 +191,7 @@ RUNNERS = {
     "edgec-qdq": EdgecQdqRunner,
     "edgec-gptq": EdgecGptqRunner,
     "edgec-awq": EdgecAwqRunner,
+    "edgec-awq64": EdgecAwq64Runner,
     "genai": GenaiRunner,
     "torch": TorchRunner,
 }
@@ -187,27 +205,55 @@ def prompt_ids(length: int) -> list[int]:
     return tokenizer.encode(text[5000 : 5000 + 20 * length]).ids[:length]
 
 
-def measure_speed(names: list[str], lengths: list[int], rounds: int, new_tokens: int, threads: int) -> dict:
+def sample_speed(names: list[str], lengths: list[int], rounds: int, new_tokens: int, threads: int) -> dict:
+    """One process: every runner loaded, then ``rounds`` rounds of each runner in turn per prompt length;
+    {runner name: {length: [(prefill s, decode tok/s), ...]}}."""
     runners = [RUNNERS[name](threads) for name in names]
     prompts = {length: prompt_ids(length) for length in lengths}
     for runner in runners:  # warm-up: first-run allocations and lazy initialisation
         runner.run(prompts[lengths[0]], 4)
-    samples = {runner.name: {length: [] for length in lengths} for runner in runners}
+    samples = {runner.name: {str(length): [] for length in lengths} for runner in runners}
     for _ in range(rounds):
         for length in lengths:
             for runner in runners:
-                samples[runner.name][length].append(runner.run(prompts[length], new_tokens))
-    return {
-        name: {
-            str(length): {
+                samples[runner.name][str(length)].append(runner.run(prompts[length], new_tokens))
+    return samples
+
+
+def measure_speed(
+    names: list[str], lengths: list[int], rounds: int, new_tokens: int, threads: int, processes: int
+) -> dict:
+    per_process = []
+    for index in range(processes):
+        order = names[index % len(names) :] + names[: index % len(names)]  # rotate: no runner always goes first
+        command = [sys.executable, __file__, "--speed-worker", ",".join(order), "--threads", str(threads)]
+        command += ["--lengths", ",".join(map(str, lengths)), "--rounds", str(rounds)]
+        command += ["--new-tokens", str(new_tokens), "--precision", PRECISION]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"speed worker failed:\n{done.stderr[-3000:]}")
+        per_process.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    reference = GenaiRunner.name
+    results = {}
+    for name in per_process[0]:
+        results[name] = {}
+        for length in per_process[0][name]:
+            runs = [run for samples in per_process for run in samples[name][length]]
+            entry = {
                 "prefill_s": float(np.median([p for p, _ in runs])),
                 "decode_tok_s": float(np.median([d for _, d in runs])),
                 "decode_tok_s_all": [round(d, 1) for _, d in runs],
             }
-            for length, runs in per_length.items()
-        }
-        for name, per_length in samples.items()
-    }
+            if reference in per_process[0]:
+                # per round: this runner's rate over genai's in the same round (back to back)
+                ratios = [
+                    [mine[1] / theirs[1] for mine, theirs in zip(s[name][length], s[reference][length], strict=True)]
+                    for s in per_process
+                ]
+                entry["ratio"] = float(np.median([r for rs in ratios for r in rs]))
+                entry["ratio_per_process"] = [round(float(np.median(rs)), 3) for rs in ratios]
+            results[name][length] = entry
+    return results
 
 
 def measure_memory(name: str, threads: int, new_tokens: int) -> float:
@@ -269,8 +315,15 @@ def main() -> None:
     parser.add_argument("--lengths", default="128,1024")
     parser.add_argument("--runtimes", default="edgec,genai,torch")
     parser.add_argument("--precision", choices=["fp32", "int4"], default="fp32")
+    parser.add_argument("--processes", type=int, default=3)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--speed-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.speed_worker:  # speed phase: runners in this order, rounds alternating; prints the samples as JSON
+        lengths = [int(n) for n in args.lengths.split(",")]
+        samples = sample_speed(args.speed_worker.split(","), lengths, args.rounds, args.new_tokens, args.threads)
+        print(json.dumps(samples))
+        return
     if args.worker:  # memory phase: one runtime, fresh process, print peak RSS in GB
         runner = RUNNERS[args.worker](args.threads)
         runner.run(prompt_ids(1024), args.new_tokens)
@@ -287,15 +340,15 @@ def main() -> None:
         "threads": args.threads,
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
+        "processes": args.processes,
         "builds": builds,
-        "speed": measure_speed(names, lengths, args.rounds, args.new_tokens, args.threads),
+        "speed": measure_speed(names, lengths, args.rounds, args.new_tokens, args.threads, args.processes),
     }
     results["peak_rss_gb"] = {
         RUNNERS[n].name: round(measure_memory(n, args.threads, args.new_tokens), 2) for n in names
     }
     (OUT / f"decode-{PRECISION}.json").write_text(json.dumps(results, indent=2))
     plot(results, OUT / f"decode-{PRECISION}.png")
-    reference = results["speed"].get(GenaiRunner.name)
     print(
         f"| runtime | {' | '.join(f'decode tok/s, prompt {n}' for n in lengths)} | prefill {lengths[-1]} | peak RSS |"
     )
@@ -303,9 +356,10 @@ def main() -> None:
     for name, per_length in results["speed"].items():
         cells = []
         for n in lengths:
-            tok_s = per_length[str(n)]["decode_tok_s"]
-            ratio = f" ({tok_s / reference[str(n)]['decode_tok_s']:.2f}×)" if reference else ""
-            cells.append(f"{tok_s:.1f}{ratio}")
+            entry = per_length[str(n)]
+            spread = entry.get("ratio_per_process", [])
+            ratio = f" ({entry['ratio']:.3f}×; {min(spread):.3f}–{max(spread):.3f})" if spread else ""
+            cells.append(f"{entry['decode_tok_s']:.1f}{ratio}")
         prefill = per_length[str(lengths[-1])]["prefill_s"]
         print(f"| {name} | {' | '.join(cells)} | {prefill:.2f} s | {results['peak_rss_gb'][name]:.2f} GB |")
     print(f"builds: {builds or 'cached'}; wrote {OUT}/decode-{PRECISION}.json and .png")
