@@ -37,3 +37,16 @@ def test_loading_needs_a_gpu_and_says_so(tiny_llama, tmp_path):
     build(tiny_llama, out, BuildSettings(target="rtx3060", context=64))
     with pytest.raises(BundleError, match="TensorRT-RTX|CUDA|GPU"):
         Model.load(out)
+
+
+def test_int4_engine_is_built_from_symmetric_dequantize_linear(tiny_llama, tmp_path):
+    """--weights int4 on a TensorRT target: INT4 DequantizeLinear without zero points (what TensorRT reads), block
+    along K, the engine built ahead of time from it."""
+    out = tmp_path / "tiny.int4.edgec"
+    build(tiny_llama, out, BuildSettings(target="rtx3060", context=64, weights="int4"))
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    dequantize = [n for n in graph.node if n.op_type == "DequantizeLinear"]
+    initializers = {i.name: i for i in graph.initializer}
+    assert dequantize and all(len(n.input) == 2 for n in dequantize)
+    assert {initializers[n.input[0]].data_type for n in dequantize} == {onnx.TensorProto.INT4}
+    assert (out / "engine.trt").stat().st_size > 50_000
