@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -22,3 +23,24 @@ def replace_contents(model: ir.Model, proto: onnx.ModelProto) -> None:
     model.graph = converted.graph
     model.functions.clear()
     model.functions.update(converted.functions)
+
+
+def constant(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
+    """Register ``data`` as an initializer of ``graph`` named ``name``; returns its value."""
+    value = ir.Value(name=name, const_value=ir.tensor(data))
+    value.shape, value.type = ir.Shape(data.shape), ir.TensorType(ir.DataType.from_numpy(data.dtype))
+    graph.register_initializer(value)
+    return value
+
+
+def constant_weight_matmuls(graph: ir.Graph) -> list[tuple[ir.Node, ir.Value]]:
+    """The MatMuls whose second input is a constant fp32 matrix (a linear layer's weight [K, N]), with that weight;
+    a list, so the caller may rewrite the graph while walking it."""
+    found = []
+    for node in graph:
+        weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" else None
+        if weight is None or not weight.is_initializer() or weight.const_value is None or len(weight.shape) != 2:
+            continue
+        if weight.dtype == ir.DataType.FLOAT:
+            found.append((node, weight))
+    return found

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from edgec.passes._graph import take_over
+from edgec.passes._graph import constant, constant_weight_matmuls, take_over
 
 E4M3_MAX = 448.0
 
@@ -25,22 +25,17 @@ E4M3_MAX = 448.0
 def fp8(model: ir.Model) -> int:
     """Rewrite in place; returns how many MatMuls now take FP8 operands."""
     graph = model.graph
-    zero = _constant(graph, "fp8.zero_point", np.array(0, ml_dtypes.float8_e4m3fn))
-    e4m3_max = _constant(graph, "fp8.e4m3_max", np.array(E4M3_MAX, np.float32))
+    zero = constant(graph, "fp8.zero_point", np.array(0, ml_dtypes.float8_e4m3fn))
+    e4m3_max = constant(graph, "fp8.e4m3_max", np.array(E4M3_MAX, np.float32))
     # an all-zero activation must not give a zero scale (0/0); 1e-7 survives a later fp16 conversion
-    tiny = _constant(graph, "fp8.tiny_scale", np.array(1e-7, np.float32))
+    tiny = constant(graph, "fp8.tiny_scale", np.array(1e-7, np.float32))
     count = 0
-    for node in list(graph):
-        weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" and len(node.inputs) == 2 else None
-        if weight is None or not weight.is_initializer() or weight.const_value is None or len(weight.shape) != 2:
-            continue
-        if weight.dtype != ir.DataType.FLOAT:
-            continue
+    for node, weight in constant_weight_matmuls(graph):
         array = weight.const_value.numpy()
         scale = np.abs(array).max(0) / E4M3_MAX  # per output channel (axis 1 of [K, N])
         scale[scale == 0] = 1
-        stored = _constant(graph, f"{weight.name}.fp8", (array / scale).astype(ml_dtypes.float8_e4m3fn))
-        weight_scale = _constant(graph, f"{weight.name}.fp8_scale", scale.astype(np.float32))
+        stored = constant(graph, f"{weight.name}.fp8", (array / scale).astype(ml_dtypes.float8_e4m3fn))
+        weight_scale = constant(graph, f"{weight.name}.fp8_scale", scale.astype(np.float32))
         tape = ir.tape.Tape(graph_like=graph)
         x = node.inputs[0]
         peak = tape.op("ReduceMax", [tape.op("Abs", [x])], attributes={"keepdims": 0})
@@ -63,10 +58,3 @@ def fp8(model: ir.Model) -> int:
             graph.initializers.pop(weight.name)
         count += 1
     return count
-
-
-def _constant(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, const_value=ir.tensor(data))
-    value.shape, value.type = ir.Shape(data.shape), ir.TensorType(ir.DataType.from_numpy(data.dtype))
-    graph.register_initializer(value)
-    return value

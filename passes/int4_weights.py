@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from edgec.passes._graph import take_over
+from edgec.passes._graph import constant, constant_weight_matmuls, take_over
 
 FORMS = ("matmulnbits", "qdq")
 BLOCK_SIZES = (32, 64, 128)
@@ -59,12 +59,7 @@ def _dequantize_linear(model: ir.Model, block_size: int, symmetric: bool) -> Non
     it), not a second quantizer's; a Q4_1 block (float offset) has no DequantizeLinear form and is rounded to
     nearest. ONNX Runtime turns each pair back into MatMulNBits when it loads the graph."""
     graph = model.graph
-    for node in list(graph):
-        weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" else None
-        if weight is None or not weight.is_initializer() or weight.const_value is None or len(weight.shape) != 2:
-            continue
-        if weight.dtype != ir.DataType.FLOAT:
-            continue
+    for node, weight in constant_weight_matmuls(graph):
         array = weight.const_value.numpy()
         k, n = array.shape
         blocks = -(-k // block_size)
@@ -78,10 +73,10 @@ def _dequantize_linear(model: ir.Model, block_size: int, symmetric: bool) -> Non
                 packed, scales, zero_points = quantize_blocks_zero_point(array, block_size)
             levels = _unpack(packed, k).astype(ml_dtypes.uint4)
             zero_points = _unpack(zero_points, blocks).astype(ml_dtypes.uint4)
-        inputs = [_constant(graph, f"{weight.name}.int4", levels)]
-        inputs.append(_constant(graph, f"{weight.name}.scales", scales.reshape(n, blocks).T.copy()))
+        inputs = [constant(graph, f"{weight.name}.int4", levels)]
+        inputs.append(constant(graph, f"{weight.name}.scales", scales.reshape(n, blocks).T.copy()))
         if zero_points is not None:
-            inputs.append(_constant(graph, f"{weight.name}.zero_points", zero_points))
+            inputs.append(constant(graph, f"{weight.name}.zero_points", zero_points))
         tape = ir.tape.Tape(graph_like=graph)
         dequantized = tape.op("DequantizeLinear", inputs, attributes={"axis": 0, "block_size": block_size})
         graph.insert_before(node, tape.nodes)
@@ -114,14 +109,12 @@ def _gather_block_quantized(model: ir.Model, block_size: int) -> None:
         packed, scales, _ = quantize_blocks(table.const_value.numpy().T, block_size, symmetric=True, bits=8)
         data = packed.reshape(rows, columns)
         zero_points = np.full((rows, columns // block_size), 128, np.uint8)
-        inputs = [None, node.inputs[1], None, None]
-        for index, (suffix, array) in zip(
-            (0, 2, 3), (("q8", data), ("scales", scales.reshape(rows, -1)), ("zero_points", zero_points)), strict=True
-        ):
-            value = ir.Value(name=f"{table.name}.{suffix}", const_value=ir.tensor(array))
-            value.shape, value.type = ir.Shape(array.shape), ir.TensorType(ir.DataType.from_numpy(array.dtype))
-            graph.register_initializer(value)
-            inputs[index] = value
+        inputs = [
+            constant(graph, f"{table.name}.q8", data),
+            node.inputs[1],
+            constant(graph, f"{table.name}.scales", scales.reshape(rows, -1)),
+            constant(graph, f"{table.name}.zero_points", zero_points),
+        ]
         tape = ir.tape.Tape(graph_like=graph)
         result = tape.op(
             "GatherBlockQuantized",
@@ -166,9 +159,9 @@ def _shared_embedding(model: ir.Model, block_size: int, symmetric: bool, accurac
         if offsets is not None:  # on grids, but not with integer zero points (a Q4_1 table): round to nearest
             packed, scales, zero_points = quantize_blocks_zero_point(array, block_size)
         gather_zero_points = zero_points
-    data = _constant(graph, f"{table.name}.q{bits}", packed)
-    scale = _constant(graph, f"{table.name}.scales", scales)
-    zero = _constant(graph, f"{table.name}.zero_points", zero_points) if zero_points is not None else None
+    data = constant(graph, f"{table.name}.q{bits}", packed)
+    scale = constant(graph, f"{table.name}.scales", scales)
+    zero = constant(graph, f"{table.name}.zero_points", zero_points) if zero_points is not None else None
     tape = ir.tape.Tape(graph_like=graph)
     logits = tape.op(
         "MatMulNBits",
@@ -180,10 +173,10 @@ def _shared_embedding(model: ir.Model, block_size: int, symmetric: bool, accurac
     take_over(output_layer.outputs[0], logits)
     graph.remove(output_layer, safe=True)
     graph.initializers.pop(weight.name)
-    data_shape = _constant(graph, f"{table.name}.rows_shape", np.array([rows, columns * bits // 8]))
-    scales_shape = _constant(graph, f"{table.name}.scales_shape", np.array([rows, blocks]))
+    data_shape = constant(graph, f"{table.name}.rows_shape", np.array([rows, columns * bits // 8]))
+    scales_shape = constant(graph, f"{table.name}.scales_shape", np.array([rows, blocks]))
     if gather_zero_points is not None and gather_zero_points is not zero_points:
-        zero = _constant(graph, f"{table.name}.gather_zero_points", gather_zero_points)
+        zero = constant(graph, f"{table.name}.gather_zero_points", gather_zero_points)
     for node in gathers:
         tape = ir.tape.Tape(graph_like=graph)
         inputs = [tape.op("Reshape", [data, data_shape]), node.inputs[1], tape.op("Reshape", [scale, scales_shape])]
@@ -380,24 +373,12 @@ def _pack(q: np.ndarray) -> np.ndarray:
     return q[..., 0::2] | (q[..., 1::2] << 4)
 
 
-def _constant(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, const_value=ir.tensor(data))
-    value.shape, value.type = ir.Shape(data.shape), ir.TensorType(ir.DataType.from_numpy(data.dtype))
-    graph.register_initializer(value)
-    return value
-
-
 def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_level: int, bits: int) -> None:
     """Every MatMul with a constant fp32 weight → MatMulNBits at ``bits`` (the lm_head at 8)."""
     weight_bits = bits
     graph = model.graph
     output_layer = _output_projection(graph)
-    for node in list(graph):
-        weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" else None
-        if weight is None or not weight.is_initializer() or weight.const_value is None or len(weight.shape) != 2:
-            continue
-        if weight.dtype != ir.DataType.FLOAT:
-            continue
+    for node, weight in constant_weight_matmuls(graph):
         array = weight.const_value.numpy()
         k, n = array.shape
         x = node.inputs[0]
@@ -409,10 +390,10 @@ def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_le
             packed, scales, offsets, zero_points = *quantize_blocks(array, block_size, True, bits=8), None
         else:
             packed, scales, offsets, zero_points = quantize_weight(array, block_size, symmetric or not whole)
-        inputs = [x, _constant(graph, f"{weight.name}.q{bits}", packed)]
-        inputs.append(_constant(graph, f"{weight.name}.scales", scales))
+        inputs = [x, constant(graph, f"{weight.name}.q{bits}", packed)]
+        inputs.append(constant(graph, f"{weight.name}.scales", scales))
         if zero_points is not None:
-            inputs.append(_constant(graph, f"{weight.name}.zero_points", zero_points))
+            inputs.append(constant(graph, f"{weight.name}.zero_points", zero_points))
         tape = ir.tape.Tape(graph_like=graph)
         result = tape.op(
             "MatMulNBits",
@@ -425,11 +406,11 @@ def _matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_le
             # blocksum(A) as a product with a 0/1 block indicator [K, blocks]: one small MatMul, where Reshape +
             # ReduceSum cost ~3x more per step (the Reshape copies A, which MatMulNBits also reads)
             name = f"blocksum.{k}x{block_size}"
-            indicator = graph.initializers.get(name) or _constant(
+            indicator = graph.initializers.get(name) or constant(
                 graph, name, np.repeat(np.eye(blocks, dtype=np.float32), block_size, axis=0)
             )
             sums = tape.op("MatMul", [x, indicator])
-            table = _constant(graph, f"{weight.name}.offsets", offsets.reshape(n, blocks).T.copy())
+            table = constant(graph, f"{weight.name}.offsets", offsets.reshape(n, blocks).T.copy())
             result = tape.op("Add", [result, tape.op("MatMul", [sums, table])])
         graph.insert_before(node, tape.nodes)
         take_over(node.outputs[0], result)
