@@ -42,6 +42,8 @@ def genai_perplexity(folder: Path) -> float:
     import onnxruntime_genai as og
     from tokenizers import Tokenizer
 
+    from edgec.runtime.model import _log_softmax_at
+
     model = og.Model(str(folder))
     ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(models.austen_text()).ids
     logprobs = []
@@ -52,9 +54,8 @@ def genai_perplexity(folder: Path) -> float:
         generator = og.Generator(model, params)
         for token, following in zip(window[:-1], window[1:], strict=True):
             generator.append_tokens(np.array([[token]], np.int32))
-            logits = generator.get_logits()[0, -1].astype(np.float64)
-            top = logits.max()
-            logprobs.append(logits[following] - top - np.log(np.exp(logits - top).sum()))
+            # the runtime's own log-softmax, so both sides of a comparison do the same arithmetic
+            logprobs.append(_log_softmax_at(generator.get_logits()[0, -1:], np.array([following]))[0])
     return float(np.exp(-np.mean(logprobs)))
 
 
