@@ -11,7 +11,7 @@ text). Then each block's clipping range is searched the same way (not for q/k: a
 
 Only a few numbers per channel are fitted (no weight is moved against others, as GPTQ does), which is why the
 result carries over from the calibration text to other text. It runs on the torch model before export and leaves
-fp32 weights that the int4 pass rounds exactly as the search simulated (the grids of ``edgec.gptq.quantize_grid``).
+fp32 weights that the int4 pass rounds exactly as the search simulated (the grids of ``edgec.blockquant.rtn_grid``).
 The tied lm_head / embedding table is left to the pass (its input cannot be rescaled without changing the table).
 """
 
@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from edgec.gptq import Report, calibration_windows, quantize_grid, round_to_grid
+from edgec.blockquant import rtn
+from edgec.gptq import Report, calibration_windows
+from edgec.shape import ModelShape
 
 WINDOWS, WINDOW = 32, 512  # 16K calibration tokens, as GPTQ
 GRID = 20  # α ∈ {0, 0.05, ..., 0.95}
@@ -47,13 +49,6 @@ class Group:
     def previous_rows(self, values: torch.Tensor) -> torch.Tensor:
         """Per input channel (tied) → per row of the previous op."""
         return values.reshape(-1, self.repeat, self.head_dim)[:, 0].reshape(-1)
-
-
-def rtn(weight: torch.Tensor, block_size: int, symmetric: bool) -> torch.Tensor:
-    """weight [out, in] rounded to nearest on the int4 pass's grid of each block of ``block_size`` inputs."""
-    blocks = weight.reshape(weight.shape[0], -1, block_size)
-    scale, zero = quantize_grid(blocks, symmetric)
-    return round_to_grid(blocks, scale[..., None], zero[..., None], symmetric).reshape(weight.shape)
 
 
 def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -104,12 +99,8 @@ def clip(weight: torch.Tensor, hessian: torch.Tensor, block_size: int, symmetric
 def layer_groups(causal_lm: torch.nn.Module, block_size: int) -> list[list[Group]]:
     """Per decoder layer, its groups whose scaling folds exactly into the previous op (Llama, Mistral, Qwen2,
     Phi-3, Gemma 3 layouts); a group whose inputs do not fill whole blocks is left to round to nearest."""
-    config = causal_lm.config
-    heads, kv_heads = (
-        config.num_attention_heads,
-        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-    )
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    shape = ModelShape.from_config(causal_lm.config)
+    heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
     body = getattr(causal_lm, causal_lm.base_model_prefix, causal_lm)
     result = []
     for layer in body.layers:

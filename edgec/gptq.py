@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from edgec.blockquant import round_to_grid, rtn_grid
+
 WINDOWS, WINDOW = 32, 512  # 16K calibration tokens: ~1 minute of forward passes on 2 cores for a 135M model
 DAMPING = 0.01  # of the mean Hessian diagonal, added to its diagonal (GPTQ's default)
 COLUMNS_PER_STEP = 128  # GPTQ's lazy batch of columns: errors inside it update eagerly, the rest once per batch
@@ -38,24 +40,6 @@ def calibration_windows(tokenizer, calib: str | Path | None, count: int, length:
     return [ids[i * length : (i + 1) * length] for i in range(min(count, len(ids) // length))] or [ids]
 
 
-def quantize_grid(weight: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``weight`` [rows, block]: (scale, zero) of the int4 grid, as the int4 pass defines it.
-    Symmetric: step absmax/7, levels -8..7. Otherwise min/max (widened to hold 0), levels 0..15 - zero."""
-    if symmetric:
-        scale = weight.abs().amax(-1) / 7
-        zero = torch.zeros_like(scale)
-    else:
-        low, high = weight.amin(-1).clamp(max=0), weight.amax(-1).clamp(min=0)
-        scale = (high - low) / 15
-        zero = torch.round(-low / torch.where(scale == 0, 1, scale))
-    return torch.where(scale == 0, torch.ones_like(scale), scale), zero
-
-
-def round_to_grid(column: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, symmetric: bool) -> torch.Tensor:
-    low, high = (-8, 7) if symmetric else (0, 15)
-    return (torch.clamp(torch.round(column / scale) + zero, low, high) - zero) * scale
-
-
 def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, block_size: int, symmetric: bool) -> torch.Tensor:
     """weight [out, in] (a torch Linear's), hessian [in, in] → weight rounded onto one int4 grid per block of
     ``block_size`` input channels. ``in`` must be a multiple of ``block_size``."""
@@ -74,7 +58,7 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, block_size: int, sy
         errors = torch.zeros_like(chunk)
         for i in range(stop - start):
             if (start + i) % block_size == 0:  # a new block: its grid from the (already error-updated) weights
-                scale, zero = quantize_grid(chunk[:, i : i + block_size], symmetric)
+                scale, zero = rtn_grid(chunk[:, i : i + block_size], symmetric)
             q = round_to_grid(chunk[:, i], scale, zero, symmetric)
             rounded[:, start + i] = q
             error = (chunk[:, i] - q) / local[i, i]

@@ -15,6 +15,7 @@ from typing import Any
 
 from edgec.bundle import sha256_file
 from edgec.errors import ModelLoadError, UnsupportedModelError
+from edgec.shape import GGUF_ARCHITECTURES, ModelShape, gguf_architecture, gguf_config
 
 # model_type → the transformers class that edgec traces. Families join as their parity tests pass.
 SUPPORTED_MODEL_TYPES = {
@@ -24,8 +25,6 @@ SUPPORTED_MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",  # Gemma 3 text-only (270m, 1b); "gemma3" is the multimodal family
 }
-# GGUF general.architecture → transformers model_type (Mistral GGUFs carry the "llama" architecture)
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "phi3": "phi3", "gemma3": "gemma3_text"}
 # why some well-known families are refused, so the message says more than "unsupported"
 UNSUPPORTED_KINDS = {
     "mixture-of-experts": (
@@ -125,8 +124,7 @@ def _inspect_gguf(path: Path) -> dict[str, Any]:
 
     try:
         reader = gguf.GGUFReader(str(path))
-        field_ = reader.fields["general.architecture"]
-        architecture = bytes(field_.parts[field_.data[0]]).decode()
+        architecture = gguf_architecture(reader)
     except Exception as error:  # any parse failure is a damaged or foreign file
         raise ModelLoadError(f"{path} is not a readable GGUF file ({type(error).__name__}: {error})") from None
     if architecture not in GGUF_ARCHITECTURES:
@@ -134,9 +132,16 @@ def _inspect_gguf(path: Path) -> dict[str, Any]:
             f"GGUF architecture {architecture!r} in {path.name} is not supported; supported: "
             f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
-    context_field = reader.fields.get(f"{architecture}.context_length")
-    max_context = int(context_field.parts[context_field.data[0]][0]) if context_field is not None else None
-    return {"kind": "gguf", "path": path, "model_type": GGUF_ARCHITECTURES[architecture], "max_context": max_context}
+    shape = _shape(lambda: gguf_config(path, reader), path.stem, path)
+    return {"kind": "gguf", "path": path, "model_type": GGUF_ARCHITECTURES[architecture], "shape": shape}
+
+
+def _shape(config, name: str, where: Path) -> ModelShape:
+    """The model's shape from its config (a dict, or a function reading one), or one line saying what is wrong."""
+    try:
+        return ModelShape.from_config(config() if callable(config) else config, name)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+        raise ModelLoadError(f"{where} does not describe a usable model ({type(error).__name__}: {error})") from None
 
 
 def _inspect_folder(path: Path, allow_pickle: bool) -> dict[str, Any]:
@@ -166,7 +171,7 @@ def _inspect_folder(path: Path, allow_pickle: bool) -> dict[str, Any]:
         "path": path,
         "model_type": config["model_type"],
         "weights": safetensors_files or pickle_files,
-        "max_context": config.get("max_position_embeddings"),
+        "shape": _shape(config, path.name, config_path),
     }
 
 

@@ -15,14 +15,13 @@ context that would fit with every concession made.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
-from importlib import resources
-from pathlib import Path
-from typing import Any
 
 from edgec.errors import BuildSettingsError
+from edgec.shape import ModelShape, model_shape
 from edgec.targets import Target
+
+__all__ = ["ModelShape", "Settings", "estimate", "model_shape", "plan", "PlanError"]
 
 WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2.5 / 32}
 KV_BYTES = {"fp32": 4.0, "fp16": 2.0, "fp8": 1.0 + 4 / 32, "int8": 1.0 + 4 / 32, "int4": 0.5 + 4 / 32}
@@ -32,57 +31,6 @@ GIB = 2**30
 
 class PlanError(BuildSettingsError):
     """No settings fit the target; the message has the numbers and what to change."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    max_context: int
-    windows: tuple[int, ...] = ()  # sliding window per layer (0 = global); empty = all global
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any], name: str) -> ModelShape:
-        heads = config["num_attention_heads"]
-        return cls(
-            windows=_layer_windows(config),
-            name=name,
-            layers=config["num_hidden_layers"],
-            hidden=config["hidden_size"],
-            intermediate=config["intermediate_size"],
-            heads=heads,
-            kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            vocab=config["vocab_size"],
-            tied=bool(config.get("tie_word_embeddings", False)),
-            max_context=config.get("max_position_embeddings") or 0,
-        )
-
-    def parameters(self) -> int:
-        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = 3 * self.hidden * self.intermediate
-        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.layers * (attention + mlp + 2 * self.hidden) + embeddings + self.hidden
-
-
-def _layer_windows(config: dict[str, Any]) -> tuple[int, ...]:
-    """As ``export.layer_windows`` (which reads a transformers config object), from a plain dict; Gemma 3
-    configs written before ``layer_types`` give a pattern instead (every n-th layer global)."""
-    layers, window = config["num_hidden_layers"], config.get("sliding_window") or 0
-    if not window:
-        return ()
-    if layer_types := config.get("layer_types"):
-        return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
-    if pattern := config.get("sliding_window_pattern"):
-        return tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers))
-    return (window,) * layers if config.get("use_sliding_window", True) else ()
 
 
 @dataclass(frozen=True)
@@ -148,7 +96,7 @@ def estimate(model: ModelShape, target: Target, settings: Settings, concessions:
     chunk = settings.prefill_chunk
     # global layers hold `capacity` slots in the chosen KV dtype; a sliding-window layer is a ring of its window
     # plus one prefill chunk in the compute dtype, whatever the context (export.cache_spec_for)
-    windows = model.windows or (0,) * model.layers
+    windows = model.layer_windows()
     per_global_slot = model.kv_heads * (
         2 * model.head_dim * KV_BYTES[settings.kv] + (SLOT_METADATA_BYTES if compressed else 0)
     )
@@ -222,56 +170,3 @@ def _refusal(best: Estimate) -> str:
         f"{best.model.name} needs {best.total_bytes / GIB:.2f} GiB even with {settings.describe()}; "
         f"{target.name} has {target.usable_bytes / GIB:.2f} GiB usable; {hint}"
     )
-
-
-def model_shape(source: str | Path) -> ModelShape:
-    """A config from: a bundled name (llama-2-7b, llama-3-8b, smollm2-135m), a config.json, a model folder, or a
-    GGUF file (its metadata; no weights are read)."""
-    source_path = Path(source)
-    bundled = resources.files("edgec.configs") / f"{source}.json"
-    if not source_path.exists() and bundled.is_file():
-        return ModelShape.from_config(json.loads(bundled.read_text()), str(source))
-    if source_path.is_dir():
-        source_path = source_path / "config.json"
-    if source_path.suffix.lower() == ".gguf" and source_path.is_file():
-        return _gguf_shape(source_path)
-    if source_path.is_file():
-        try:
-            return ModelShape.from_config(json.loads(source_path.read_text()), source_path.parent.name)
-        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as error:
-            raise BuildSettingsError(f"{source_path} is not a usable model config ({error})") from None
-    names = ", ".join(
-        sorted(p.name[:-5] for p in resources.files("edgec.configs").iterdir() if p.name.endswith(".json"))
-    )
-    raise BuildSettingsError(f"{source} is not a model folder, config.json, .gguf or a known config ({names})")
-
-
-def _gguf_shape(path: Path) -> ModelShape:
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-
-    def value(key: str, default: Any = None) -> Any:
-        field = reader.fields.get(key)
-        return default if field is None else field.parts[field.data[0]][0].item()
-
-    arch_field = reader.fields["general.architecture"]
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    heads = value(f"{arch}.attention.head_count")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    names = {tensor.name for tensor in reader.tensors}
-    config = {
-        "num_hidden_layers": value(f"{arch}.block_count"),
-        "hidden_size": value(f"{arch}.embedding_length"),
-        "intermediate_size": value(f"{arch}.feed_forward_length"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": value(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": value(f"{arch}.attention.key_length"),
-        "vocab_size": value(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else 0),
-        "tie_word_embeddings": "output.weight" not in names,
-        "max_position_embeddings": value(f"{arch}.context_length", 0),
-        "sliding_window": value(f"{arch}.attention.sliding_window", 0),
-    }
-    if arch == "gemma3":  # its GGUF states the window, not the layout: every 6th layer is global
-        config["sliding_window_pattern"] = 6
-    return ModelShape.from_config(config, path.stem)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from edgec.passes.int4_weights import (
-    _gather_block_quantized,
-    _materialize_transposed_weights,
-    _matmul_nbits,
-    _shared_embedding,
+from edgec.passes._contract import Pass
+from edgec.passes._weights import (
+    gather_block_quantized,
+    materialize_transposed_weights,
+    matmul_nbits,
+    shared_embedding,
 )
 
 BLOCK_SIZES = (32, 64, 128)
@@ -22,8 +23,17 @@ def int8_weights(model: ir.Model, block_size: int = 32, accuracy_level: int = 4)
     """Rewrite in place; returns how many weights were quantized."""
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}")
-    _materialize_transposed_weights(model)
-    _shared_embedding(model, block_size, symmetric=True, accuracy_level=4, bits=8)
-    _matmul_nbits(model, block_size, symmetric=True, accuracy_level=accuracy_level, bits=8)
-    _gather_block_quantized(model, block_size)
+    materialize_transposed_weights(model)
+    shared_embedding(model, block_size, symmetric=True, accuracy_level=4, bits=8)
+    matmul_nbits(model, block_size, symmetric=True, accuracy_level=accuracy_level, bits=8)
+    gather_block_quantized(model, block_size)
     return sum(node.op_type in ("MatMulNBits", "GatherBlockQuantized") for node in model.graph)
+
+
+PASS = Pass(
+    "int8_weights",
+    int8_weights,
+    requires=frozenset({"fp32"}),
+    ensures=frozenset({"quantized_weights"}),
+    domains=("com.microsoft",),
+)

@@ -3,26 +3,17 @@ and runs inside a build (--quant-method gptq); bad options are one clear error l
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
-import edgec.passes  # noqa: F401  (registers the pass modules)
+import edgec.blockquant as int4
+from edgec.blockquant import rtn as rtn_weight
 from edgec.build import BuildSettings, build
 from edgec.cli import main
-from edgec.gptq import gptq_weight, quantize_grid, round_to_grid
+from edgec.gptq import gptq_weight
 from tests.test_cli import assert_clean_failure
-
-int4 = sys.modules["edgec.passes.int4_weights"]
-
-
-def rtn_weight(weight: torch.Tensor, block_size: int, symmetric: bool) -> torch.Tensor:
-    blocks = weight.reshape(weight.shape[0], -1, block_size)
-    scale, zero = quantize_grid(blocks, symmetric)
-    return round_to_grid(blocks, scale[..., None], zero[..., None], symmetric).reshape(weight.shape)
 
 
 def layer_with_outlier_channels(seed: int = 0):

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-import edgec.passes  # noqa: F401  (registers the pass modules)
+import edgec.blockquant as int4
 from edgec.build import BuildSettings, build
 from edgec.errors import BuildSettingsError
+from edgec.passes import _weights
 from edgec.runtime import Model
-
-int4 = sys.modules["edgec.passes.int4_weights"]
 
 
 def dequantize(packed, scales, offsets, k, n, block, bits=4):
@@ -120,7 +117,7 @@ def test_int4_build_of_a_q4_source_is_lossless(q4_source, tmp_path):
 
 
 def test_weight_options_are_checked(tiny_llama, tmp_path):
-    with pytest.raises(BuildSettingsError, match="int8 is built for ONNX Runtime targets only"):
+    with pytest.raises(BuildSettingsError, match="int8 is built as MatMulNBits, which rtx3060"):
         build(tiny_llama, tmp_path / "a", BuildSettings(target="rtx3060", weights="int8"))
     with pytest.raises(BuildSettingsError, match="fp8 needs FP8 tensor cores"):
         build(tiny_llama, tmp_path / "b", BuildSettings(target="rtx3060", weights="fp8"))
@@ -209,8 +206,8 @@ def test_dequantize_linear_form_carries_grids_exactly(symmetric, k):
         levels = rng.integers(0, 16, (k, 7)) - zero
     weight = (step * levels).astype(np.float32)
     model = matmul_model(weight)
-    int4._materialize_transposed_weights(model)
-    int4._dequantize_linear(model, 32, symmetric)
+    _weights.materialize_transposed_weights(model)
+    _weights.dequantize_linear(model, 32, symmetric)
     (dq,) = [node for node in model.graph if node.op_type == "DequantizeLinear"]
     data = dq.inputs[0].const_value
     assert str(data.dtype) == ("INT4" if symmetric else "UINT4") and len(dq.inputs) == (2 if symmetric else 3)
@@ -225,7 +222,7 @@ def test_dequantize_linear_form_rounds_a_q4_1_block_to_nearest():
     rng = np.random.default_rng(12)
     weight = q4_1_like(rng, 64, 5)
     model = matmul_model(weight)
-    int4._dequantize_linear(model, 32, symmetric=False)
+    _weights.dequantize_linear(model, 32, symmetric=False)
     x = np.eye(64, dtype=np.float32)[None, :3]  # rows of the identity read back three rows of the weight
     blocks = weight.reshape(2, 32, 5)
     step = (np.maximum(blocks.max(1), 0) - np.minimum(blocks.min(1), 0)) / 15  # the grid holds 0 at an integer
@@ -233,11 +230,11 @@ def test_dequantize_linear_form_rounds_a_q4_1_block_to_nearest():
 
 
 def test_portable_form_has_zero_points_only_where_the_runtime_reads_them():
-    from edgec.build import pass_plan
+    from edgec.build import weight_options
     from edgec.targets import load_target
 
     def plan(target: str, **settings) -> dict:
-        return pass_plan(load_target(target), BuildSettings(weights="int4", **settings))[1]["int4_weights"]
+        return weight_options(load_target(target), BuildSettings(weights="int4", **settings), "int4")
 
     assert plan("rtx3060")["form"] == "qdq" and plan("rtx3060")["symmetric"]  # TensorRT: INT4 without zero points
     assert plan("cpu", int4_form="qdq") == {**plan("cpu"), "form": "qdq"}  # ONNX Runtime reads both
