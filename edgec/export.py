@@ -17,6 +17,7 @@ import torch
 
 from edgec.kvcache import CacheSpec, LayerCache, torch_op
 from edgec.kvcache import function as kv_function
+from edgec.shape import ModelShape
 
 OPSET = 23
 
@@ -29,33 +30,23 @@ class StepIO:
     outputs: tuple[str, ...]
 
 
-def layer_windows(config) -> list[int]:
-    """Sliding window per layer (0 = global attention): per ``layer_types`` where the config has them (Gemma 3,
-    Qwen2), else the config's ``sliding_window`` for every layer (Mistral) unless ``use_sliding_window`` is off."""
-    layer_types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None) or 0
-    if layer_types:
-        return [window if kind == "sliding_attention" else 0 for kind in layer_types]
-    if window and getattr(config, "use_sliding_window", True):
-        return [window] * config.num_hidden_layers
-    return [0] * config.num_hidden_layers
-
-
 def cache_spec_for(config, capacity: int, prefill_chunk: int | None = None) -> CacheSpec:
-    """Slots per layer: global layers get ``capacity``. A sliding-window layer needs only its window plus one
-    prefill chunk: with slot = position mod capacity the slots form a ring, and a chunk of at most
-    ``prefill_chunk`` tokens overwrites only positions that no query of that chunk can see (exact). The runtime
-    never feeds a chunk longer than the build's ``prefill_chunk``."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    """The cache a model (its config or ``ModelShape``) is exported with. Slots per layer: global layers get
+    ``capacity``. A sliding-window layer needs only its window plus one prefill chunk: with slot = position mod
+    capacity the slots form a ring, and a chunk of at most ``prefill_chunk`` tokens overwrites only positions that
+    no query of that chunk can see (exact). The runtime never feeds a chunk longer than the build's
+    ``prefill_chunk``."""
+    shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
 
     def slots(window: int) -> int:
         return min(capacity, window + prefill_chunk) if window and prefill_chunk else capacity
 
     return CacheSpec(
         layers=tuple(
-            LayerCache(layer=i, num_kv_heads=kv_heads, head_dim=head_dim, capacity=slots(window), window=window)
-            for i, window in enumerate(layer_windows(config))
+            LayerCache(
+                layer=i, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, capacity=slots(window), window=window
+            )
+            for i, window in enumerate(shape.layer_windows())
         )
     )
 
@@ -93,9 +84,9 @@ def empty_cache(spec: CacheSpec, batch: int = 1, dtype: torch.dtype = torch.floa
 def step_io(spec: CacheSpec) -> StepIO:
     inputs = ["input_ids", "position_ids", "logits_index"]
     outputs = ["logits"]
-    for layer in spec.layers:
-        inputs += layer.input_names()
-        outputs += layer.output_names()
+    for tensor in spec.tensors():
+        inputs.append(tensor.input)
+        outputs.append(tensor.output)
     return StepIO(tuple(inputs), tuple(outputs))
 
 

@@ -29,7 +29,7 @@ def _session(model: ir.Model) -> ort.InferenceSession:
 
 def _run_chunks(sess, spec, ids: np.ndarray, chunks: list[int]) -> np.ndarray:
     """Feed ids in the given chunk sizes through the cache; logits of every position."""
-    all_names = [name for layer in spec.layers for name in layer.input_names()]
+    all_names = [tensor.input for tensor in spec.tensors()]
     state_by_name = dict(zip(all_names, [t.numpy() for t in empty_cache(spec)], strict=True))
     names = [i.name for i in sess.get_inputs()][3:]  # a lowering may have dropped some state (pos)
     state = [state_by_name[name] for name in names]
@@ -75,7 +75,9 @@ def test_logits_match_transformers(exported, tiny_hf_model, chunks):
 def test_cpu_passes_keep_logits(exported, tiny_hf_model, tmp_path):
     model, spec = exported
     lowered = ir.serde.deserialize_model(ir.serde.serialize_model(model))
-    counts = run_passes(lowered, ["fuse_projections", "transposed_weight_gemm", "skip_rms_norm", "kv_attention_gqa"])
+    passes = ["fuse_projections", "transposed_weight_gemm", "skip_rms_norm", "kv_attention_gqa"]
+    counts, lowered_spec = run_passes(lowered, passes, spec=spec)
+    assert all("pos" not in layer.state for layer in lowered_spec.layers)  # GQA's fill implies the positions
     assert counts["kv_attention_gqa"] == tiny_hf_model.config.num_hidden_layers
     assert counts["fuse_projections"] == 2 * tiny_hf_model.config.num_hidden_layers  # qkv and gate/up
     ops = [n.op_type for n in lowered.graph]
@@ -94,7 +96,8 @@ def test_cpu_passes_on_a_fresh_export(tiny_llama):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     spec = cache_spec_for(model.config, 32)
     exported = export_step(model, spec)
-    counts = run_passes(exported, ["fuse_projections", "transposed_weight_gemm", "skip_rms_norm", "kv_attention_gqa"])
+    passes = ["fuse_projections", "transposed_weight_gemm", "skip_rms_norm", "kv_attention_gqa"]
+    counts, _ = run_passes(exported, passes, spec=spec)
     assert counts["kv_attention_gqa"] == model.config.num_hidden_layers
     ops = [n.op_type for n in exported.graph]
     assert "RotaryEmbedding" not in ops and "Split" in ops  # RoPE moved into GQA; gate/up still split

@@ -21,6 +21,7 @@ from edgec.kvcache import policies
 from edgec.kvcache.compression import Compression
 from edgec.kvcache.onnx_body import Body
 from edgec.kvcache.quantize import QMAX
+from edgec.kvcache.spec import compressed_state
 
 DOMAIN = "ai.edgec"
 OP_TYPE = "CompressedKVAttention"
@@ -45,10 +46,13 @@ class Heads:
     dim: int
 
 
+# the function's formal names of the state tensors (spec.py's vocabulary; k and v are the new tokens' keys/values)
+FORMAL = {"k": "k_cache", "v": "v_cache"}
+
+
 def state_names(compression: Compression) -> tuple[str, ...]:
-    """The state tensors of one layer, in input order."""
-    scales = ("k_scale", "v_scale") if compression.quantized else ()
-    return ("k_cache", "v_cache", *scales, "score", "pos")
+    """The state tensors of one layer, in input order, by their names in the function."""
+    return tuple(FORMAL.get(name, name) for name in compressed_state(compression))
 
 
 def inputs(compression: Compression) -> tuple[str, ...]:

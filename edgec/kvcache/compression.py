@@ -1,8 +1,15 @@
-"""The compressed-cache settings of a build (``--kv-*``), checked once, recorded in the manifest."""
+"""The compressed-cache settings: one type that owns their defaults, choices, checks and flags.
+
+Everything else is derived from ``Compression``'s fields: the ``--kv-*`` options of ``edgec build`` (cli.py reads
+``Compression.options()``), the manifest schema of ``cache.compression`` (manifest_schema.py reads
+``Compression.schema()``), and the overrides ``Model.load`` accepts (``Compression.override``). Adding a setting is
+adding a field here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 from edgec.errors import BuildSettingsError
 from edgec.kvcache.quantize import STORAGE, bytes_per_value
@@ -10,59 +17,155 @@ from edgec.kvcache.quantize import STORAGE, bytes_per_value
 PREFILL_MODES = ("end", "chunk")
 
 
+def _policy_names() -> tuple[str, ...]:
+    from edgec.kvcache.policies import POLICIES
+
+    return tuple(POLICIES)
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one setting is offered to users: its ``edgec build`` flag (None: not offered), help text, allowed
+    values, its least value, whether it asks for the compressed cache by itself, and whether ``Model.load`` may
+    change it on a built bundle (the graph takes it as data, not as a constant)."""
+
+    flag: str | None
+    help: str
+    default_text: str | None = None  # what the default means, where the value alone does not say
+    choices: Any = None  # a tuple, or a function returning one (looked up when used)
+    minimum: float | None = None
+    requests: bool = False
+    at_load: bool = False
+
+    def allowed(self) -> tuple | None:
+        return self.choices() if callable(self.choices) else self.choices
+
+
+def _setting(default: Any, option: Option) -> Any:
+    return field(default=default, metadata={"option": option})
+
+
 @dataclass(frozen=True)
 class Compression:
     """How the global layers' cache is pruned and stored.
 
-    capacity: slots per layer and KV head; sink: the first positions, never evicted; window: the most recent
-    positions, never evicted; policy: how the other slots are scored (edgec/kvcache/policies); dtype/group:
-    storage with one dynamic scale per token per ``group`` channels; observe: the last prompt queries whose
-    attention judges a prompt (snapkv); prefill_compress: ``end`` holds the whole prompt and selects once it
-    has been read, ``chunk`` selects between chunks so memory never exceeds capacity; protect_fraction: the
-    share of capacity that protected tokens may hold.
+    ``capacity`` None means "the bundle's context" until the build resolves it (``resolved``); a built bundle
+    always records a number.
     """
 
-    capacity: int
-    sink: int = 4
-    window: int = 64
-    policy: str = "snapkv"
-    dtype: str = "fp32"
-    group: int = 32
-    observe: int = 32
-    prefill_compress: str = "end"
-    protect_fraction: float = 0.25
+    capacity: int | None = _setting(
+        None,
+        Option("--kv-capacity", "slots per layer and KV head", "the context", minimum=1, requests=True, at_load=True),
+    )
+    sink: int = _setting(4, Option("--kv-sink", "first tokens never evicted", minimum=0))
+    window: int = _setting(64, Option("--kv-window", "most recent tokens never evicted", minimum=1))
+    policy: str = _setting(
+        "snapkv", Option("--kv-policy", "how the other slots are scored", choices=_policy_names, requests=True)
+    )
+    dtype: str = _setting("fp32", Option("--kv-dtype", "storage of k and v", choices=STORAGE, requests=True))
+    group: int = _setting(32, Option("--kv-group", "channels per dynamic scale (int8, fp8, int4)", minimum=1))
+    # the last prompt queries whose attention judges a prompt (snapkv)
+    observe: int = _setting(32, Option(None, "prompt queries that judge the prompt", minimum=1))
+    prefill_compress: str = _setting(
+        "end",
+        Option(
+            "--prefill-compress",
+            "prompts longer than the capacity: end = read it whole, then select (query-aware); chunk = select "
+            "between chunks (memory never exceeds the capacity)",
+            choices=PREFILL_MODES,
+            at_load=True,
+        ),
+    )
+    # the share of the evictable capacity that protected tokens may hold
+    protect_fraction: float = _setting(0.25, Option(None, "share of slots protected tokens may hold", minimum=0))
 
-    def check(self, head_dim: int, prefill_chunk: int) -> None:
-        """One clear line for every setting that cannot work."""
-        from edgec.kvcache.policies import POLICIES
+    # --- derived from the fields -------------------------------------------------------------------------------
+    @classmethod
+    def options(cls) -> list[tuple[str, Any, Option]]:
+        """(field name, default, option) of every setting, in declaration order."""
+        return [(f.name, f.default, f.metadata["option"]) for f in fields(cls)]
 
-        if self.policy not in POLICIES:
-            raise BuildSettingsError(f"unknown --kv-policy {self.policy!r}; one of {', '.join(POLICIES)}")
-        if self.dtype not in STORAGE:
-            raise BuildSettingsError(f"unknown --kv-dtype {self.dtype!r}; one of {', '.join(STORAGE)}")
-        if self.prefill_compress not in PREFILL_MODES:
-            raise BuildSettingsError(
-                f"unknown --prefill-compress {self.prefill_compress!r}; one of {', '.join(PREFILL_MODES)}"
-            )
-        if self.sink < 0 or self.window < 1:
-            raise BuildSettingsError(f"--kv-sink must be ≥ 0 and --kv-window ≥ 1 (got {self.sink}, {self.window})")
+    @classmethod
+    def parameters(cls) -> dict[str, str]:
+        """Keyword name of each flag (``--kv-capacity`` → ``kv_capacity``, as the CLI and ``Model.load`` take it)
+        → the field it sets."""
+        return {option.flag[2:].replace("-", "_"): name for name, _, option in cls.options() if option.flag}
+
+    @classmethod
+    def from_flags(cls, values: dict[str, Any]) -> Compression | None:
+        """The settings given on a command line (field name → value, None = not given), or None when none asks
+        for the compressed cache. A setting given without one that asks for it is an error, not ignored."""
+        given = {name: value for name, value in values.items() if value is not None}
+        if not given:
+            return None
+        by_name = {name: option for name, _, option in cls.options()}
+        if not any(by_name[name].requests for name in given):
+            requesting = ", ".join(option.flag for _, _, option in cls.options() if option.requests)
+            flags = ", ".join(by_name[name].flag or name for name in given)
+            raise BuildSettingsError(f"{flags} set(s) the compressed cache; also give one of {requesting}")
+        return cls(**given)
+
+    @classmethod
+    def schema(cls) -> dict[str, Any]:
+        """The manifest schema of a built bundle's settings (manifest_schema.py's notation)."""
+        types = {"int": int, "str": str, "float": (int, float), "int | None": int}
+        return {f.name: types[str(f.type)] for f in fields(cls)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Compression:
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    # --- checks ------------------------------------------------------------------------------------------------
+    def resolved(self, context: int) -> Compression:
+        """With the capacity a build gets when none was given: the context."""
+        return self if self.capacity is not None else replace(self, capacity=context)
+
+    def check(self, head_dim: int, context: int | None = None) -> None:
+        """One clear line for every setting that cannot work (a resolved capacity is required)."""
+        for name, _, option in self.options():
+            value = getattr(self, name)
+            label = option.flag or name
+            allowed = option.allowed()
+            if allowed is not None and value not in allowed:
+                raise BuildSettingsError(f"unknown {label} {value!r}; one of {', '.join(allowed)}")
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if option.minimum is not None and value is not None and (not numeric or value < option.minimum):
+                raise BuildSettingsError(f"{label} must be a number ≥ {option.minimum:g}, got {value!r}")
+        if self.capacity is None:
+            raise BuildSettingsError("the compressed cache needs a capacity (--kv-capacity)")
         if self.capacity < self.sink + self.window + 1:
             raise BuildSettingsError(
                 f"--kv-capacity {self.capacity} leaves no room to evict: it must exceed --kv-sink + --kv-window "
                 f"({self.sink} + {self.window})"
             )
-        if self.dtype in ("int8", "fp8", "int4") and (self.group < 1 or head_dim % self.group):
+        if context is not None and self.capacity > context:
+            raise BuildSettingsError(f"--kv-capacity {self.capacity} exceeds the context {context}")
+        if self.quantized and head_dim % self.group:
             raise BuildSettingsError(
                 f"--kv-group {self.group} does not divide the head dim {head_dim}; use a divisor such as "
                 f"{max(g for g in (16, 32, 64, head_dim) if head_dim % g == 0)}"
             )
         if self.dtype == "int4" and self.group % 2:
             raise BuildSettingsError(f"--kv-group must be even for int4 (two values per byte), got {self.group}")
-        if self.observe < 1:  # a chunk shorter than it is observed whole
-            raise BuildSettingsError(f"the observation window must be ≥ 1 query, got {self.observe}")
-        if not 0 <= self.protect_fraction < 1:
+        if not self.protect_fraction < 1:
             raise BuildSettingsError(f"protect fraction must lie in [0, 1), got {self.protect_fraction}")
 
+    def override(self, head_dim: int, **changes: Any) -> Compression:
+        """These settings with the changes a loaded bundle may take (``Option.at_load``), checked as a build
+        would check them; None values are ignored."""
+        changes = {name: value for name, value in changes.items() if value is not None}
+        movable = {name for name, _, option in self.options() if option.at_load}
+        if fixed := sorted(set(changes) - movable):
+            raise BuildSettingsError(f"{', '.join(fixed)} is fixed when the bundle is built; rebuild to change it")
+        changed = replace(self, **changes)
+        changed.check(head_dim)
+        return changed
+
+    # --- what the settings imply -------------------------------------------------------------------------------
     @property
     def quantized(self) -> bool:
         return self.dtype in ("int8", "fp8", "int4")
@@ -75,10 +178,3 @@ class Compression:
     def bytes_per_slot(self, head_dim: int) -> float:
         """Bytes of one token's k + v in one KV head (scales included) plus its score and position."""
         return 2 * head_dim * bytes_per_value(self.dtype, self.group) + 4 + 8
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> Compression:
-        return cls(**data)

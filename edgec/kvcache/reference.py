@@ -83,21 +83,13 @@ def kv_attention(
 # Ties go to the lower index (ONNX TopK's rule): empty slots fill from slot 0 in order, so with C ≥ context
 # slot == position and the result equals the uncompressed cache exactly.
 
-STATE = ("k", "v", "k_scale", "v_scale", "score", "pos")
-
 
 def empty_compressed_state(num_kv_heads: int, capacity: int, head_dim: int, compression) -> dict[str, np.ndarray]:
-    from edgec.kvcache.quantize import quantize
+    """A fresh compressed layer's state, as every backend allocates it (``CacheSpec``)."""
+    from edgec.kvcache.spec import CacheSpec, LayerCache, compressed_state
 
-    zeros = np.zeros((1, num_kv_heads, capacity, head_dim), np.float32)
-    stored, scale = quantize(zeros, compression.dtype, compression.group)
-    state = {"k": stored, "v": stored.copy()}
-    if scale is not None:
-        state |= {"k_scale": scale, "v_scale": scale.copy()}
-    return state | {
-        "score": np.zeros((1, num_kv_heads, capacity), np.float32),
-        "pos": np.full((1, num_kv_heads, capacity), -1, np.int64),
-    }
+    layer = LayerCache(0, num_kv_heads, head_dim, capacity, compressed=True, state=compressed_state(compression))
+    return CacheSpec((layer,), compression=compression).empty_layer(layer)
 
 
 def _softmax(scores: np.ndarray) -> np.ndarray:
@@ -187,9 +179,7 @@ def compressed_kv_attention(
     v_stored, v_scale = quantize(v, dtype, group)
     incoming = {"k": k_stored, "v": v_stored, "k_scale": k_scale, "v_scale": v_scale}
     result = {}
-    for name in STATE:
-        if name not in state:
-            continue
+    for name in state:
         old = state[name] if name != "score" else score_all[..., :capacity]
         if name == "score":
             arriving = score_all[..., capacity:]

@@ -1,8 +1,15 @@
-"""What the cache state of a built model looks like: shapes and dtypes per layer, as graph inputs/outputs."""
+"""The cache state of a built model: which tensors each layer carries between steps, their names in the graph,
+shapes and dtypes. The one owner of that contract: the export names the graph's state after it, the passes that
+change the state (kv_cache, kv_attention_gqa, float16) take a spec and return the new one, the manifest records
+it, and every runtime backend, ``edgec verify`` and the tests allocate and feed state through it.
+
+State names: layer ``i``'s tensor ``name`` is the graph input ``cache.{i}.{name}`` and the output
+``new_cache.{i}.{name}``; compressed layers also read the one shared ``protect`` input (flags for the new tokens).
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -11,7 +18,39 @@ from edgec.kvcache.quantize import bytes_per_value
 
 PLAIN_STATE = ("k", "v", "pos")
 COMPRESSED_STATE = ("k", "v", "k_scale", "v_scale", "score", "pos")
+SCALES = ("k_scale", "v_scale")
+PROTECT_INPUT = "protect"
 STORAGE_NUMPY = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8, "fp8": np.uint8, "int4": np.uint8}
+FLOAT_NUMPY = {"float32": np.float32, "float16": np.float16}
+
+
+def input_name(layer: int, name: str) -> str:
+    return f"cache.{layer}.{name}"
+
+
+def output_name(layer: int, name: str) -> str:
+    return f"new_cache.{layer}.{name}"
+
+
+def compressed_state(compression: Compression) -> tuple[str, ...]:
+    """The state tensors of a compressed layer, in graph order (scales only for quantized storage)."""
+    return tuple(name for name in COMPRESSED_STATE if name not in SCALES or compression.quantized)
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of cache state: read as ``input``, written as ``output`` of the same shape and dtype."""
+
+    layer: int
+    name: str
+
+    @property
+    def input(self) -> str:
+        return input_name(self.layer, self.name)
+
+    @property
+    def output(self) -> str:
+        return output_name(self.layer, self.name)
 
 
 @dataclass(frozen=True)
@@ -24,17 +63,10 @@ class LayerCache:
     capacity: int
     window: int = 0  # sliding-window layers attend to the last `window` positions only; 0 = global
     compressed: bool = False  # pruned/quantized (CompressedKVAttention) with the spec's Compression
+    state: tuple[str, ...] = PLAIN_STATE  # the tensors this layer's graph carries (pos may be implicit)
 
-    def state(self, compression: Compression | None) -> tuple[str, ...]:
-        if not self.compressed:
-            return PLAIN_STATE
-        return tuple(n for n in COMPRESSED_STATE if n not in ("k_scale", "v_scale") or compression.quantized)
-
-    def input_names(self, compression: Compression | None = None) -> tuple[str, ...]:
-        return tuple(f"cache.{self.layer}.{name}" for name in self.state(compression))
-
-    def output_names(self, compression: Compression | None = None) -> tuple[str, ...]:
-        return tuple(f"new_cache.{self.layer}.{name}" for name in self.state(compression))
+    def tensors(self) -> tuple[StateTensor, ...]:
+        return tuple(StateTensor(self.layer, name) for name in self.state)
 
 
 @dataclass(frozen=True)
@@ -43,35 +75,122 @@ class CacheSpec:
 
     layers: tuple[LayerCache, ...]
     dtype: str = "float32"  # plain layers' storage (the compute dtype)
-    positions: bool = True  # False where a lowering (e.g. to ORT's GQA) made the pos state implicit
     compression: Compression | None = None  # the compressed layers' settings
 
+    # --- the graph contract ------------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
         return max(layer.capacity for layer in self.layers)
 
-    def empty_state(self, layer: LayerCache, slots: int | None = None) -> dict[str, np.ndarray]:
-        """Fresh state arrays of one layer (``slots`` overrides a compressed layer's capacity)."""
+    def tensors(self) -> list[StateTensor]:
+        """Every state tensor, in graph input order."""
+        return [tensor for layer in self.layers for tensor in layer.tensors()]
+
+    @property
+    def protected(self) -> bool:
+        """Whether the graph takes the ``protect`` input (any layer is compressed)."""
+        return any(layer.compressed for layer in self.layers)
+
+    def state_inputs(self) -> list[str]:
+        return [tensor.input for tensor in self.tensors()] + ([PROTECT_INPUT] if self.protected else [])
+
+    def mismatch(self, graph_inputs: set[str], graph_outputs: set[str]) -> str | None:
+        """What differs between this spec and a graph's inputs/outputs (None when they agree)."""
+        missing = [t.input for t in self.tensors() if t.input not in graph_inputs]
+        missing += [t.output for t in self.tensors() if t.output not in graph_outputs]
+        if self.protected and PROTECT_INPUT not in graph_inputs:
+            missing.append(PROTECT_INPUT)
+        expected = set(self.state_inputs())
+        state_like = {name for name in graph_inputs if name.startswith("cache.") or name == PROTECT_INPUT}
+        extra = sorted(state_like - expected)
+        parts = [
+            f"missing {', '.join(missing[:4])}" if missing else "",
+            f"extra {', '.join(extra[:4])}" if extra else "",
+        ]
+        return "; ".join(part for part in parts if part) or None
+
+    def keeping(self, graph_inputs: set[str]) -> CacheSpec:
+        """Only the state tensors a graph has: a format-v1 manifest recorded them in part (``positions``)."""
+        return replace(
+            self,
+            layers=tuple(
+                replace(layer, state=tuple(t.name for t in layer.tensors() if t.input in graph_inputs))
+                for layer in self.layers
+            ),
+        )
+
+    # --- state arrays --------------------------------------------------------------------------------------------
+    def empty_layer(self, layer: LayerCache, slots: int | None = None) -> dict[str, np.ndarray]:
+        """Fresh state arrays of one layer, by state name (``slots`` overrides a compressed layer's capacity)."""
         capacity = slots or layer.capacity
         shape = (1, layer.num_kv_heads, capacity, layer.head_dim)
+        arrays: dict[str, np.ndarray] = {"pos": np.full(shape[:3], -1, np.int64)}
         if not layer.compressed:
-            dtype = np.float16 if self.dtype == "float16" else np.float32
-            return {"k": np.zeros(shape, dtype), "v": np.zeros(shape, dtype), "pos": np.full(shape[:3], -1, np.int64)}
-        compression = self.compression
-        storage = STORAGE_NUMPY[compression.dtype]
-        stored_shape = shape[:3] + (layer.head_dim // 2 if compression.dtype == "int4" else layer.head_dim,)
-        state = {"k": np.zeros(stored_shape, storage), "v": np.zeros(stored_shape, storage)}
-        if compression.quantized:
+            dtype = FLOAT_NUMPY[self.dtype]
+            arrays |= {"k": np.zeros(shape, dtype), "v": np.zeros(shape, dtype)}
+        else:
+            compression = self.compression
+            storage = STORAGE_NUMPY[compression.dtype]
+            stored_shape = shape[:3] + (layer.head_dim // 2 if compression.dtype == "int4" else layer.head_dim,)
             scale_shape = shape[:3] + (layer.head_dim // compression.group,)
-            state |= {"k_scale": np.zeros(scale_shape, np.float32), "v_scale": np.zeros(scale_shape, np.float32)}
-        return state | {"score": np.zeros(shape[:3], np.float32), "pos": np.full(shape[:3], -1, np.int64)}
+            arrays |= {"k": np.zeros(stored_shape, storage), "v": np.zeros(stored_shape, storage)}
+            arrays |= {"k_scale": np.zeros(scale_shape, np.float32), "v_scale": np.zeros(scale_shape, np.float32)}
+            arrays["score"] = np.zeros(shape[:3], np.float32)
+        return {name: arrays[name] for name in layer.state}
 
+    def empty_state(self, compressed_slots: int | None = None) -> list[tuple[StateTensor, np.ndarray]]:
+        """Fresh arrays for every state tensor, in graph order (compressed layers with ``compressed_slots``)."""
+        entries = []
+        for layer in self.layers:
+            arrays = self.empty_layer(layer, compressed_slots if layer.compressed else None)
+            entries += [(StateTensor(layer.layer, name), array) for name, array in arrays.items()]
+        return entries
+
+    def empty_feeds(self, tokens: int) -> dict[str, np.ndarray]:
+        """Graph inputs of an empty cache for a step of ``tokens`` new tokens: the state plus ``protect``."""
+        feeds = {tensor.input: array for tensor, array in self.empty_state()}
+        if self.protected:
+            feeds[PROTECT_INPUT] = np.zeros((1, tokens), bool)
+        return feeds
+
+    # --- the changes passes make ---------------------------------------------------------------------------------
+    def compress(self, layers: set[int], compression: Compression) -> CacheSpec:
+        """``layers`` become compressed caches of ``compression.capacity`` slots."""
+        state = compressed_state(compression)
+        return replace(
+            self,
+            compression=compression,
+            layers=tuple(
+                replace(layer, compressed=True, capacity=compression.capacity, state=state)
+                if layer.layer in layers
+                else layer
+                for layer in self.layers
+            ),
+        )
+
+    def without(self, layers: set[int], name: str) -> CacheSpec:
+        """``layers`` no longer carry the state tensor ``name`` (a lowering made it implicit)."""
+        return replace(
+            self,
+            layers=tuple(
+                replace(layer, state=tuple(n for n in layer.state if n != name)) if layer.layer in layers else layer
+                for layer in self.layers
+            ),
+        )
+
+    def with_capacity(self, capacity: int) -> CacheSpec:
+        """Compressed layers with ``capacity`` slots (the graph takes any number)."""
+        compression = replace(self.compression, capacity=capacity)
+        layers = tuple(replace(layer, capacity=capacity) if layer.compressed else layer for layer in self.layers)
+        return replace(self, layers=layers, compression=compression)
+
+    # --- sizes ---------------------------------------------------------------------------------------------------
     def _slot_bytes(self, layer: LayerCache) -> float:
         """Bytes one cached token costs in one KV head of ``layer``."""
         if layer.compressed:
             return self.compression.bytes_per_slot(layer.head_dim)
         itemsize = {"float32": 4, "float16": 2}[self.dtype]
-        return 2 * layer.head_dim * itemsize + (8 if self.positions else 0)
+        return 2 * layer.head_dim * itemsize + (8 if "pos" in layer.state else 0)
 
     def bytes_per_token(self) -> int:
         """KV bytes one cached token costs across all layers (k + v, scales, score, position)."""
@@ -103,20 +222,28 @@ class CacheSpec:
         """Bytes of the whole cache state at full capacity."""
         return int(sum(layer.num_kv_heads * layer.capacity * self._slot_bytes(layer) for layer in self.layers))
 
+    # --- the manifest --------------------------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {
             "dtype": self.dtype,
-            "positions": self.positions,
             "compression": self.compression.to_json() if self.compression else None,
-            "layers": [asdict(layer) for layer in self.layers],
+            "layers": [asdict(layer) | {"state": list(layer.state)} for layer in self.layers],
         }
 
     @classmethod
     def from_json(cls, data: dict) -> CacheSpec:
-        compression = data.get("compression")
-        return cls(
-            layers=tuple(LayerCache(**layer) for layer in data["layers"]),
-            dtype=data["dtype"],
-            positions=data.get("positions", True),
-            compression=Compression.from_json(compression) if compression else None,
-        )
+        """A spec as the manifest records it. Format v1 manifests name no per-layer state: each layer then carries
+        the state its kind had in v1, and a v1 ``positions: false`` drops every plain layer's pos."""
+        compression = Compression.from_json(data["compression"]) if data.get("compression") else None
+        layers = []
+        for entry in data["layers"]:
+            fields = {key: entry[key] for key in ("layer", "num_kv_heads", "head_dim", "capacity", "window")}
+            compressed = bool(entry.get("compressed", False))
+            if "state" in entry:
+                state = tuple(entry["state"])
+            elif compressed:
+                state = compressed_state(compression)
+            else:
+                state = PLAIN_STATE if data.get("positions", True) else ("k", "v")
+            layers.append(LayerCache(**fields, compressed=compressed, state=state))
+        return cls(layers=tuple(layers), dtype=data["dtype"], compression=compression)

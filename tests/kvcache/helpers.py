@@ -9,6 +9,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from edgec.kvcache import function
+from edgec.passes import PASSES
 
 
 def kv_attention_model(
@@ -46,10 +47,38 @@ def kv_attention_model(
     )
 
 
+# this one-node model's state names ↔ the names a bundle's CacheSpec gives layer 0's state
+SPEC_NAMES = {
+    "k_cache": "cache.0.k",
+    "v_cache": "cache.0.v",
+    "pos_cache": "cache.0.pos",
+    "k_cache_out": "new_cache.0.k",
+    "v_cache_out": "new_cache.0.v",
+    "pos_cache_out": "new_cache.0.pos",
+}
+
+
 def lowered(model: onnx.ModelProto, lower) -> onnx.ModelProto:
+    """``model`` after a lowering pass. A pass that changes the cache state finds the node through the spec's
+    names, so the state is renamed to them for the pass and back afterwards."""
+    from edgec.kvcache.spec import CacheSpec, LayerCache
+
     ir_model = ir.serde.deserialize_model(model)
-    lower(ir_model)
+    if not PASSES_BY_FUNCTION[lower].cache:
+        lower(ir_model)
+        return ir.serde.serialize_model(ir_model)
+    values = {v.name: v for v in [*ir_model.graph.inputs, *ir_model.graph.outputs]}
+    for old, new in SPEC_NAMES.items():
+        values[old].name = new
+    _, kv_heads, capacity, head_dim = values["k_cache"].shape
+    _, spec = lower(ir_model, CacheSpec((LayerCache(0, kv_heads, head_dim, capacity),)))
+    back = {new: old for old, new in SPEC_NAMES.items()}
+    for value in [*ir_model.graph.inputs, *ir_model.graph.outputs]:
+        value.name = back.get(value.name, value.name)
     return ir.serde.serialize_model(ir_model)
+
+
+PASSES_BY_FUNCTION = {declared.run: declared for declared in PASSES.values()}
 
 
 def empty_state(kv_heads: int, capacity: int, head_dim: int):
