@@ -11,6 +11,8 @@ import onnx_ir.passes.common as common
 import onnxscript.optimizer
 from onnx import helper
 
+from edgec.passes._contract import Pass
+
 EXPANDED = ("RMSNormalization", "RotaryEmbedding")
 LOCAL_DOMAIN = "edgec.expanded"  # a node becomes a call to its own expansion, then every call is inlined
 
@@ -83,3 +85,6 @@ def _expansion(node: ir.Node, opset: int) -> onnx.FunctionProto:
     function = onnx.FunctionProto()
     function.ParseFromString(body)
     return function
+
+
+PASS = Pass("expand_function_ops", expand_function_ops, removes=frozenset({"opset23_ops"}))

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from edgec.passes._contract import Pass
 from edgec.passes._graph import constant, constant_weight_matmuls, take_over
 
 E4M3_MAX = 448.0
@@ -58,3 +59,7 @@ def fp8(model: ir.Model) -> int:
             graph.initializers.pop(weight.name)
         count += 1
     return count
+
+
+# reads fp32 MatMul weights: before the fp16 conversion and before the lm_head becomes a Gemm
+PASS = Pass("fp8", fp8, requires=frozenset({"fp32", "matmul_weights"}), ensures=frozenset({"quantized_weights"}))

@@ -11,6 +11,8 @@ from collections import defaultdict
 import numpy as np
 import onnx_ir as ir
 
+from edgec.passes._contract import Pass
+
 
 def _constant_weight(value: ir.Value | None) -> np.ndarray | None:
     if value is None or value.const_value is None or not value.is_initializer() or len(value.uses()) != 1:
@@ -56,3 +58,6 @@ def fuse_projections(model: ir.Model) -> int:
             graph.initializers.pop(old_weight.name)
         fused += 1
     return fused
+
+
+PASS = Pass("fuse_projections", fuse_projections, requires=frozenset({"matmul_weights"}))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
+from edgec.passes._contract import Pass
+
 
 def inline_functions(model: ir.Model) -> int:
     """Inline in place; returns how many call sites were inlined."""
@@ -15,3 +17,10 @@ def inline_functions(model: ir.Model) -> int:
     common.InlinePass()(model)
     common.RemoveUnusedOpsetsPass()(model)
     return calls
+
+
+PASS = Pass(
+    "inline_functions",
+    inline_functions,
+    removes=frozenset({"local_functions", "kv_attention", "static_attention", "compressed_attention"}),
+)

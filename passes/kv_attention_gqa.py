@@ -24,20 +24,30 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from edgec.kvcache import function as kv_function
+from edgec.kvcache.spec import CacheSpec, StateTensor
+from edgec.passes._contract import Pass
 from edgec.passes._graph import take_over
 
 
-def kv_attention_gqa(model: ir.Model, context: int | None = None) -> int:
-    """Rewrite in place; returns how many KVAttention nodes were lowered. ``context``: the longest sequence the
-    bundle runs (default: the largest cache capacity in the graph)."""
+def kv_attention_gqa(model: ir.Model, spec: CacheSpec, context: int | None = None) -> tuple[int, CacheSpec]:
+    """Rewrite in place; returns how many KVAttention nodes were lowered and the spec without their pos state.
+    ``context``: the longest sequence the bundle runs (default: the largest cache capacity in the graph)."""
     graph = model.graph
-    nodes = [node for node in graph if node.domain == kv_function.DOMAIN and node.op_type == kv_function.OP_TYPE]
-    full = context or max((node.inputs[4].shape[2] for node in nodes), default=0)
+    inputs = {value.name: value for value in graph.inputs}
+    # the plain layers' KVAttention nodes, found through the state the spec names
+    layers = {}
+    for layer in spec.layers:
+        k_cache = inputs.get(StateTensor(layer.layer, "k").input)
+        readers = [use.node for use in k_cache.uses()] if k_cache is not None else []
+        if not layer.compressed and len(readers) == 1 and readers[0].op_type == kv_function.OP_TYPE:
+            layers[layer.layer] = readers[0]
+    full = context or max((node.inputs[4].shape[2] for node in layers.values()), default=0)
     # A layer whose slots are a ring smaller than the context (a sliding-window layer, export.cache_spec_for)
     # keeps the function body: GQA writes at the cache fill (seqlens_k), so it cannot wrap around.
-    targets = [node for node in nodes if node.inputs[4].shape[2] >= full and _pos_state_is_private(node)]
-    if not targets:
-        return 0
+    chosen = {i: node for i, node in layers.items() if node.inputs[4].shape[2] >= full and _pos_state_is_private(node)}
+    if not chosen:
+        return 0, spec
+    targets = list(chosen.values())
     position_ids = targets[0].inputs[3]
     tape = ir.tape.Tape(graph_like=graph)
     # shared by every layer: GQA wants the index of the last token (total - 1) and the total length, int32
@@ -54,7 +64,7 @@ def kv_attention_gqa(model: ir.Model, context: int | None = None) -> int:
         _lower(graph, node, seqlens_k, total, tables)
     model.opset_imports.setdefault("com.microsoft", 1)
     onnx_ir.passes.common.RemoveUnusedNodesPass()(model)  # head splits and rotaries that GQA took over
-    return len(targets)
+    return len(targets), spec.without(set(chosen), "pos")
 
 
 def _lower(graph: ir.Graph, node: ir.Node, seqlens_k: ir.Value, total: ir.Value, tables: dict) -> None:
@@ -255,3 +265,14 @@ def _named_tensor(value: ir.Value) -> onnx.TensorProto:
     proto = ir.serde.serialize_tensor(value.const_value)
     proto.name = value.name  # a freshly exported initializer's tensor may carry no name of its own
     return proto
+
+
+# lowers only uncompressed full-length caches: after kv_cache, which needs every global layer as KVAttention
+PASS = Pass(
+    "kv_attention_gqa",
+    kv_attention_gqa,
+    requires=frozenset({"kv_attention"}),
+    removes=frozenset({"global_kv_attention"}),
+    domains=("com.microsoft",),
+    cache=True,
+)

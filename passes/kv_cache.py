@@ -1,6 +1,6 @@
 """Turn each global layer's ``KVAttention`` into ``CompressedKVAttention``: the slot cache becomes pruned (a
 fixed number of slots, an eviction policy) and quantized (storage dtype + per-token group scales), and the
-graph gains the state that needs: ``cache.{i}.k_scale``/``v_scale``, ``cache.{i}.score`` and one shared
+graph gains the state that needs (``CacheSpec.compress`` names it: k_scale/v_scale, score) and one shared
 ``protect`` input (flags for the new tokens).
 
 Sliding-window layers keep plain KVAttention: their ring of slots is already exact and small. The slot count
@@ -14,44 +14,51 @@ import onnx_ir as ir
 
 from edgec.kvcache import compressed_function, function
 from edgec.kvcache.compression import Compression
+from edgec.kvcache.spec import PROTECT_INPUT, CacheSpec, LayerCache, StateTensor
+from edgec.passes._contract import Pass
 from edgec.passes._graph import take_over
 
 SLOTS = "kv_slots"
 
 
-def kv_cache(model: ir.Model, **compression_settings) -> int:
-    """Rewrite in place; returns how many layers now hold a compressed cache."""
-    compression = Compression(**compression_settings)
+def kv_cache(model: ir.Model, spec: CacheSpec, compression: Compression) -> tuple[int, CacheSpec]:
+    """Rewrite in place; returns how many layers now hold a compressed cache, and the new spec."""
     graph = model.graph
-    targets = [
-        node
-        for node in graph
-        if node.domain == function.DOMAIN and node.op_type == function.OP_TYPE and _needs_compression(node, compression)
-    ]
-    if not targets:
-        return 0
-    position_ids = targets[0].inputs[3]
-    protect = ir.Value(name="protect", shape=ir.Shape(list(position_ids.shape)), type=ir.TensorType(ir.DataType.BOOL))
+    inputs = {value.name: value for value in graph.inputs}
+    chosen = [layer for layer in spec.layers if not layer.window or layer.window > compression.capacity]
+    nodes = {layer.layer: _attention_node(inputs, layer) for layer in chosen}
+    if not nodes:
+        return 0, spec
+    new_spec = spec.compress(set(nodes), compression)
+    position_ids = next(iter(nodes.values())).inputs[3]
+    protect = ir.Value(
+        name=PROTECT_INPUT, shape=ir.Shape(list(position_ids.shape)), type=ir.TensorType(ir.DataType.BOOL)
+    )
     graph.inputs.insert(list(graph.inputs).index(position_ids) + 1, protect)
-    heads = _heads(targets)
-    for node in targets:
-        _compress(graph, node, protect, compression)
+    heads = _heads(list(nodes.values()))
+    for layer in new_spec.layers:
+        if layer.layer in nodes:
+            _compress(graph, nodes[layer.layer], layer, protect, compression)
     function_proto = compressed_function.make_function(compression, model.opset_imports.get("", 23), heads)
     ir_function = ir.serde.deserialize_function(function_proto)
     model.functions[ir_function.identifier()] = ir_function
     model.opset_imports[compressed_function.DOMAIN] = compressed_function.OPSET_VERSION
     if not any(node.op_type == function.OP_TYPE for node in graph):
         model.functions.pop((function.DOMAIN, function.OP_TYPE, ""), None)
-    return len(targets)
+    return len(nodes), new_spec
 
 
-def _needs_compression(node: ir.Node, compression: Compression) -> bool:
-    return _window(node) == 0 or _window(node) > compression.capacity
+def _attention_node(inputs: dict[str, ir.Value], layer: LayerCache) -> ir.Node:
+    """The KVAttention node that reads this layer's k state (the spec names it)."""
+    k_cache = inputs[StateTensor(layer.layer, "k").input]
+    readers = [use.node for use in k_cache.uses() if use.node.op_type == function.OP_TYPE]
+    if len(readers) != 1 or readers[0].domain != function.DOMAIN:
+        raise ValueError(f"layer {layer.layer}'s cache is not read by exactly one KVAttention node")
+    return readers[0]
 
 
-def _compress(graph: ir.Graph, node: ir.Node, protect: ir.Value, compression: Compression) -> None:
+def _compress(graph: ir.Graph, node: ir.Node, layer: LayerCache, protect: ir.Value, compression: Compression) -> None:
     q, k, v, position_ids, k_cache, v_cache, pos_cache = node.inputs
-    prefix = k_cache.name.rsplit(".", 1)[0]  # cache.{i}
     batch, kv_heads, _, head_dim = k_cache.shape
     storage = ir.DataType(compressed_function.STORAGE_TYPES[compression.dtype])
     stored_dim = head_dim // 2 if compression.dtype == "int4" else head_dim
@@ -60,46 +67,39 @@ def _compress(graph: ir.Graph, node: ir.Node, protect: ir.Value, compression: Co
         value.shape = ir.Shape([batch, kv_heads, SLOTS, stored_dim])
     pos_cache.shape = ir.Shape([batch, kv_heads, SLOTS])
     float_type = ir.TensorType(ir.DataType.FLOAT)
-    extra = {}
-    if compression.quantized:
-        for name in ("k_scale", "v_scale"):
-            extra[name] = ir.Value(
-                name=f"{prefix}.{name}",
-                type=float_type,
-                shape=ir.Shape([batch, kv_heads, SLOTS, head_dim // compression.group]),
-            )
-    extra["score"] = ir.Value(name=f"{prefix}.score", type=float_type, shape=ir.Shape([batch, kv_heads, SLOTS]))
-    inputs_list = list(graph.inputs)
-    at = inputs_list.index(pos_cache)
+    shapes = {
+        "k_scale": [batch, kv_heads, SLOTS, head_dim // compression.group],
+        "v_scale": [batch, kv_heads, SLOTS, head_dim // compression.group],
+        "score": [batch, kv_heads, SLOTS],
+    }
+    tensors = {tensor.name: tensor for tensor in layer.tensors()}
+    extra = {
+        name: ir.Value(name=tensors[name].input, type=float_type, shape=ir.Shape(shape))
+        for name, shape in shapes.items()
+        if name in tensors
+    }
+    at = list(graph.inputs).index(pos_cache)
     for offset, value in enumerate(extra.values()):
         graph.inputs.insert(at + offset, value)
-    state = {"k_cache": k_cache, "v_cache": v_cache, **extra, "pos": pos_cache}
+    state = {"k": k_cache, "v": v_cache, **extra, "pos": pos_cache}
     replacement = ir.Node(
         compressed_function.DOMAIN,
         compressed_function.OP_TYPE,
-        inputs=[
-            q,
-            k,
-            v,
-            position_ids,
-            protect,
-            *(state[name] for name in compressed_function.state_names(compression)),
-        ],
-        attributes=[node.attributes["scale"], ir.AttrInt64("window", _window(node))],
-        num_outputs=len(compressed_function.outputs(compression)),
+        inputs=[q, k, v, position_ids, protect, *(state[name] for name in layer.state)],
+        attributes=[node.attributes["scale"], ir.AttrInt64("window", layer.window)],
+        num_outputs=1 + len(layer.state),
     )
     graph.insert_before(node, replacement)
-    out, k_out, v_out, pos_out = node.outputs
-    new_outputs = dict(zip(compressed_function.outputs(compression), replacement.outputs, strict=True))
+    out, *old_state = node.outputs
+    new_outputs = dict(zip(("out", *layer.state), replacement.outputs, strict=True))
     take_over(out, new_outputs["out"])
-    for old, name in ((k_out, "k_cache_out"), (v_out, "v_cache_out"), (pos_out, "pos_out")):
+    for old, name in zip(old_state, ("k", "v", "pos"), strict=True):
         take_over(old, new_outputs[name])
-        new_outputs[name].type = state[name[:-4]].type
-        new_outputs[name].shape = state[name[:-4]].shape
-    at = list(graph.outputs).index(new_outputs["pos_out"])
+        new_outputs[name].type, new_outputs[name].shape = state[name].type, state[name].shape
+    at = list(graph.outputs).index(new_outputs["pos"])
     for offset, name in enumerate(extra):
-        value = new_outputs[f"{name}_out"]
-        value.name = f"new_{prefix}.{name}"
+        value = new_outputs[name]
+        value.name = tensors[name].output
         value.type, value.shape = state[name].type, state[name].shape
         graph.outputs.insert(at + offset, value)
     graph.remove(node, safe=True)
@@ -113,5 +113,12 @@ def _heads(nodes: list[ir.Node]) -> compressed_function.Heads:
     return compressed_function.Heads(*next(iter(layouts)))
 
 
-def _window(node: ir.Node) -> int:
-    return node.attributes["window"].as_int() if "window" in node.attributes else 0
+# first: it needs every global layer still a KVAttention node (lowerings of the remaining ones come after)
+PASS = Pass(
+    "kv_cache",
+    kv_cache,
+    requires=frozenset({"global_kv_attention"}),
+    ensures=frozenset({"compressed_attention"}),
+    removes=frozenset({"global_kv_attention"}),
+    cache=True,
+)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from edgec.passes._contract import Pass
 from edgec.passes._graph import take_over
 
 
@@ -46,3 +47,6 @@ def skip_rms_norm(model: ir.Model) -> int:
     if fused:
         model.opset_imports.setdefault("com.microsoft", 1)
     return fused
+
+
+PASS = Pass("skip_rms_norm", skip_rms_norm, domains=("com.microsoft",))

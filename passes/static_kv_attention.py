@@ -7,6 +7,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from edgec.kvcache import function as kv_function
+from edgec.passes._contract import Pass
 
 
 def static_kv_attention(model: ir.Model) -> int:
@@ -17,3 +18,12 @@ def static_kv_attention(model: ir.Model) -> int:
     default_opset = model.opset_imports.get("", model.functions[key].opset_imports.get("", 23))
     model.functions[key] = ir.serde.deserialize_function(kv_function.make_function(default_opset, static=True))
     return sum(node.domain == kv_function.DOMAIN and node.op_type == kv_function.OP_TYPE for node in model.graph)
+
+
+PASS = Pass(
+    "static_kv_attention",
+    static_kv_attention,
+    requires=frozenset({"kv_attention", "local_functions"}),
+    ensures=frozenset({"static_attention"}),
+    removes=frozenset({"kv_attention"}),
+)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from edgec.errors import BuildError
+from edgec.passes._contract import Pass
 
 TOKEN_INPUTS = ("input_ids", "position_ids")
 
@@ -61,3 +62,7 @@ def dynamic_values(model: ir.Model) -> list[str]:
         )
     ]
     return symbolic + missing
+
+
+# run by the build once per graph of a static-shape target (tokens differ per graph), not from the table
+PASS = Pass("static_shapes", static_shapes)

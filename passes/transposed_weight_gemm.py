@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from edgec.passes._contract import Pass
 from edgec.passes._graph import take_over
 
 
@@ -53,3 +54,7 @@ def transposed_weight_gemm(model: ir.Model) -> int:
             graph.remove(transpose, safe=True)
         rewritten += 1
     return rewritten
+
+
+# the tied lm_head becomes a Gemm: passes that read MatMul weights (fp8) come first
+PASS = Pass("transposed_weight_gemm", transposed_weight_gemm, removes=frozenset({"matmul_weights"}))

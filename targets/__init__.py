@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any
 
@@ -24,6 +24,28 @@ DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
 FP8_FROM = (8, 9)  # FP8 tensor cores arrive with Ada (sm89)
 
 
+ATTENTION = ("gqa", "function", "static")
+WEIGHT_FORMS = ("matmulnbits", "qdq")
+COMPUTE = ("fp32", "fp16")
+ENGINES = ("tensorrt-rtx",)
+
+
+@dataclass(frozen=True)
+class Abilities:
+    """What a target's runtime can execute; the build chooses its passes from these (edgec.pipeline)."""
+
+    domains: tuple[str, ...] = ()  # op domains beyond standard ONNX it executes (com.microsoft: ORT's contrib ops)
+    onnx_opset: int = 23  # the newest standard ONNX opset whose ops it executes (older: opset-23 ops expanded)
+    attention: str = "function"  # plain KVAttention: gqa (ORT's fused kernel), function (its body), static
+    local_functions: bool = True  # False: every model-local function is inlined
+    weight_forms: tuple[str, ...] = ("qdq",)  # quantized weights: matmulnbits (ORT kernel), qdq (DequantizeLinear)
+    zero_points: bool = True  # False: INT4 DequantizeLinear without zero points (symmetric) only
+    compressed_cache: bool = False  # builds the compressed cache (--kv-*)
+    compute: str = "fp32"  # activations' dtype unless fp32 weights are asked for
+    engine: str | None = None  # an engine built ahead of time from the graph
+    static_shapes: bool = False  # two fixed-shape graphs (prefill chunk, one-token decode) instead of one dynamic
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -35,10 +57,14 @@ class Target:
     dtypes: tuple[str, ...]
     runtime_overhead_bytes: int = 0
     compute_capability: str | None = None
-    passes: tuple[str, ...] = ()
+    abilities: Abilities = field(default_factory=lambda: Abilities())
+    optimizations: tuple[str, ...] = ()  # optional graph passes it asks for (fusions); edgec.pipeline orders them
     defaults: dict[str, Any] = field(default_factory=dict)
-    static_shapes: bool = False  # two fixed-shape graphs (prefill chunk, one-token decode) instead of one dynamic
     provider_options: dict[str, str] = field(default_factory=dict)  # for the execution provider, as ORT takes them
+
+    @property
+    def static_shapes(self) -> bool:
+        return self.abilities.static_shapes
 
     @property
     def usable_bytes(self) -> int:
@@ -98,9 +124,9 @@ def parse_target(name: str, data: dict[str, Any]) -> Target:
             dtypes=tuple(data["dtypes"]),
             runtime_overhead_bytes=int(data.get("runtime_overhead_bytes", 0)),
             compute_capability=data.get("compute_capability"),
-            passes=tuple(data.get("passes", ())),
+            abilities=_abilities(data.get("abilities", {})),
+            optimizations=tuple(data.get("optimizations", ())),
             defaults=dict(data.get("defaults", {})),
-            static_shapes=bool(data.get("static_shapes", False)),
             provider_options={str(k): str(v) for k, v in data.get("provider_options", {}).items()},
         )
     except KeyError as missing:
@@ -126,12 +152,32 @@ def parse_target(name: str, data: dict[str, Any]) -> Target:
         problems.append(f"provider_options apply to ONNX Runtime targets, not {target.runtime}")
     if "fp8" in target.dtypes and capability(target) < FP8_FROM:
         problems.append(f"fp8 needs compute capability ≥ {FP8_FROM[0]}.{FP8_FROM[1]}")
+    abilities = target.abilities
+    for name, value, allowed in (
+        ("attention", abilities.attention, ATTENTION),
+        ("compute", abilities.compute, COMPUTE),
+        ("engine", abilities.engine, (None, *ENGINES)),
+    ):
+        if value not in allowed:
+            problems.append(f"abilities.{name} {value!r} is not one of {', '.join(map(str, allowed))}")
+    if unknown := sorted(set(abilities.weight_forms) - set(WEIGHT_FORMS)):
+        problems.append(f"unknown abilities.weight_forms {unknown}")
+    if abilities.engine and target.runtime != abilities.engine:
+        problems.append(f"an engine of {abilities.engine} needs runtime {abilities.engine!r}")
     for key in ("weights", "kv"):
         if key in target.defaults and target.defaults[key] not in target.dtypes:
             problems.append(f"defaults.{key} {target.defaults[key]!r} is not among its dtypes")
     if problems:
         raise BuildSettingsError(f"{where}: {'; '.join(problems)}")
     return target
+
+
+def _abilities(data: dict[str, Any]) -> Abilities:
+    known = {f.name for f in fields(Abilities)}
+    if unknown := sorted(set(data) - known):
+        raise ValueError(f"unknown abilities {unknown}; known: {', '.join(sorted(known))}")
+    values = {key: tuple(value) if isinstance(value, list) else value for key, value in data.items()}
+    return Abilities(**values)
 
 
 def capability(target: Target) -> tuple[int, int]:

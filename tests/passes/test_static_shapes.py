@@ -17,11 +17,11 @@ def step(tiny_hf_model):
 
 
 def test_static_step_has_no_dynamic_dimension(step):
-    counts = run_passes(step, ["static_kv_attention", "inline_functions"])
+    counts, _ = run_passes(step, ["static_kv_attention", "inline_functions"])
     assert counts == {"static_kv_attention": 2, "inline_functions": 2}
     assert not step.functions and {node.domain for node in step.graph} == {""}
     assert "ai.edgec" not in step.opset_imports
-    assert run_passes(step, ["static_shapes"], {"static_shapes": {"tokens": 8}}) == {
+    assert run_passes(step, ["static_shapes"], {"static_shapes": {"tokens": 8}})[0] == {
         "static_shapes": 4
     }  # input_ids, position_ids, logits_index, logits
     assert dynamic_values(step) == []
