@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -16,12 +15,15 @@ from edgec import __version__
 from edgec.bundle import atomic_folder, write_manifest, write_npz
 from edgec.errors import BuildSettingsError
 from edgec.kvcache.compression import Compression
+from edgec.pipeline import Choices, passes_for
+from edgec.shape import ModelShape
 from edgec.targets import ORT_PROVIDERS, Target, load_target
 
-DEFAULT_POLICY = "snapkv"
 STAGES = ("load", "calibrate", "export", "save", "validate", "engine", "bundle")
 VALIDATION_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
 Progress = Callable[..., None]  # (stage) as each stage starts; (stage, done, total) inside a long one
+BUILDABLE_WEIGHTS = ("fp32", "fp16", "fp8", "int8", "int4")
+QUANT_METHODS = ("rtn", "awq", "gptq")
 
 
 @dataclass(frozen=True)
@@ -35,68 +37,72 @@ class BuildSettings:
     target: str = "cpu"
     context: int | None = None  # cache capacity in tokens; None = the model's maximum
     prefill_chunk: int | None = None  # None = the target's default
-    weights: str | None = None  # fp32, fp16 or int4; None = the target's default
-    block_size: int = 32  # int4: input channels per scale
-    symmetric: bool = False  # int4: no zero point (always symmetric for TensorRT-RTX, which takes no UINT4)
+    weights: str | None = None  # fp32, fp16, fp8, int8, int4; None = the target's default
+    block_size: int = 32  # int4/int8: input channels per scale
+    symmetric: bool = False  # int4: no zero point (always symmetric where the target reads no zero points)
     accuracy_level: int = 4  # int4 on ONNX Runtime: 4 = int8 activations (fast), 1 = fp32 activations (exact)
-    kv_capacity: int | None = None  # compressed cache: slots per layer and head; None = context
-    kv_sink: int = 4
-    kv_window: int = 64
-    kv_policy: str | None = None  # None = the default policy when compression is asked for
-    kv_dtype: str | None = None  # fp32, fp16, int8, fp8, int4
-    kv_group: int = 32
-    prefill_compress: str = "end"
-    protect: str | None = None  # built-in protect heuristics applied by default at run time ("numbers,names")
     embedding_bits: int = 8  # int4: the (tied, stored once) embedding table: 8 = exact for a GGUF's Q8_0, 4 = smaller
     quant_method: str = "rtn"  # int4: rtn (round to nearest), awq (activation-aware scaling), gptq (error feedback)
     calib: str | None = None  # awq/gptq: calibration text file; None = Python's own pydoc_data.topics
-    int4_form: str | None = None  # matmulnbits (ONNX Runtime only) or qdq (portable); None = the target's
+    int4_form: str | None = None  # matmulnbits (ONNX Runtime) or qdq (portable); None = the target's first form
+    kv: Compression | None = None  # the compressed cache of the global layers; None = the plain cache
+    protect: str | None = None  # built-in protect heuristics applied by default at run time ("numbers,names")
     allow_pickle: bool = False
     overwrite: bool = False
 
-    @property
-    def compressed(self) -> bool:
-        """Any --kv-capacity/--kv-policy/--kv-dtype asks for the compressed cache on the global layers."""
-        return any(value is not None for value in (self.kv_capacity, self.kv_policy, self.kv_dtype))
 
-    def compression(self, context: int) -> Compression | None:
-        if not self.compressed:
-            return None
-        return Compression(
-            capacity=self.kv_capacity or context,
-            sink=self.kv_sink,
-            window=self.kv_window,
-            policy=self.kv_policy or DEFAULT_POLICY,
-            dtype=self.kv_dtype or "fp32",
-            group=self.kv_group,
-            prefill_compress=self.prefill_compress,
-        )
+@dataclass(frozen=True)
+class Plan:
+    """What a build makes of its settings, its target and its model — decided before any weight is read."""
+
+    target: Target
+    shape: ModelShape
+    context: int
+    prefill_chunk: int
+    weights: str
+    kv: Compression | None  # resolved: its capacity is a number
+    passes: list[str]
+    options: dict[str, dict[str, Any]]
+
+    def runtime_section(self, settings: BuildSettings) -> dict[str, Any]:
+        """What the runtime needs beyond the graph (the manifest's ``runtime``, with the library added)."""
+        return {"prefill_chunk": self.prefill_chunk, "protect": settings.protect}
 
 
-def _check_settings(settings: BuildSettings) -> Target:
+def plan_build(settings: BuildSettings, shape: ModelShape, max_context: int | None) -> Plan:
+    """Check every setting against the target and the model; the passes to run. One clear line per problem."""
     target = load_target(settings.target)
     if not target.buildable:
         raise BuildSettingsError(
             f"target {target.name} ({target.runtime}) can be planned for (edgec plan) but not built yet; "
             "the build column of edgec targets says which are"
         )
-    if settings.context is not None and settings.context < 1:
-        raise BuildSettingsError(f"--context must be a positive number of tokens, got {settings.context}")
+    context = resolve_context(settings, max_context)
     if settings.prefill_chunk is not None and settings.prefill_chunk < 1:
         raise BuildSettingsError(f"--prefill-chunk must be positive, got {settings.prefill_chunk}")
-    return target
+    prefill_chunk = min(context, settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)))
+    kv = settings.kv.resolved(context) if settings.kv is not None else None
+    if kv is not None:
+        kv.check(shape.head_dim, context)
+    if settings.protect is not None:
+        from edgec.runtime.protect import HEURISTICS
 
-
-BUILDABLE_WEIGHTS = ("fp32", "fp16", "fp8", "int8", "int4")
-QUANT_METHODS = ("rtn", "awq", "gptq")
-
-
-def pass_plan(
-    target: Target, settings: BuildSettings, compression: Compression | None = None
-) -> tuple[list[str], dict[str, dict], str]:
-    """The passes this build runs (the target's, adjusted for the weight format and the compressed cache),
-    their options, and the weight format."""
+        kinds = [kind.strip() for kind in settings.protect.split(",")]
+        if kv is None or not kinds or any(kind not in HEURISTICS for kind in kinds):
+            raise BuildSettingsError(
+                f"--protect takes {','.join(HEURISTICS)} and needs a compressed cache (--kv-capacity/--kv-dtype); "
+                f"got {settings.protect!r}"
+            )
     weights = settings.weights or target.defaults.get("weights", "fp32")
+    choices = Choices(target, weights, context, kv, weight_options(target, settings, weights))
+    passes, options = passes_for(choices)
+    plan = Plan(target, shape, context, prefill_chunk, weights, kv, passes, options)
+    check_fits(plan, kv_dtype=kv.dtype if kv else ("fp16" if choices.fp16_compute else "fp32"))
+    return plan
+
+
+def weight_options(target: Target, settings: BuildSettings, weights: str) -> dict[str, Any]:
+    """The int4/int8 pass's keywords, every weight setting checked against the target's abilities."""
     if weights == "fp8" and weights not in target.dtypes:
         raise BuildSettingsError(
             f"--weights fp8 needs FP8 tensor cores (compute capability 8.9+: rtx4090, l40s, rtx5090); "
@@ -117,57 +123,38 @@ def pass_plan(
         raise BuildSettingsError(f"--quant-method must be one of {known}, got {settings.quant_method}")
     if settings.quant_method != "rtn" and weights != "int4":
         raise BuildSettingsError(f"--quant-method {settings.quant_method} needs --weights int4 (got {weights})")
-    ort = target.runtime in ("ort-cpu", "ort-cuda")
-    form = settings.int4_form or ("matmulnbits" if ort else "qdq")
-    if form not in ("matmulnbits", "qdq") or (form == "matmulnbits" and not ort):
-        allowed = "matmulnbits or qdq" if ort else "qdq"
-        raise BuildSettingsError(f"--int4-form for {target.name} ({target.runtime}) is {allowed}, got {form}")
+    forms = target.abilities.weight_forms
+    form = settings.int4_form or forms[0]
+    if form not in forms:
+        raise BuildSettingsError(
+            f"--int4-form for {target.name} ({target.runtime}) is {' or '.join(forms)}, got {form}"
+        )
     if settings.calib is not None and settings.quant_method == "rtn":
         raise BuildSettingsError(
             "--calib is for a calibrated --quant-method (awq, gptq); rtn needs no calibration text"
         )
     if settings.calib is not None and not Path(settings.calib).is_file():
         raise BuildSettingsError(f"--calib {settings.calib}: no such file (give a UTF-8 text file)")
-    names = [name for name in target.passes if not (name == "float16" and weights == "fp32")]
-    if weights == "fp16" and "float16" not in names:
-        names.append("float16")
-    options: dict[str, dict] = {}
-    if weights == "fp8":  # before the fp16 conversion, and before MatMuls with constant weights become Gemms
-        names.insert(names.index("fuse_projections") + 1 if "fuse_projections" in names else 0, "fp8")
     if weights == "int8":
-        if not ort:
+        if "matmulnbits" not in forms:
             raise BuildSettingsError(
-                f"--weights int8 is built for ONNX Runtime targets only (cpu, MatMulNBits), not {target.name}"
+                f"--weights int8 is built as MatMulNBits, which {target.name} ({target.runtime}) does not run"
             )
-        names.append("int8_weights")
-        options["int8_weights"] = {"block_size": settings.block_size, "accuracy_level": settings.accuracy_level}
+        return {"block_size": settings.block_size, "accuracy_level": settings.accuracy_level}
     if weights == "int4":
-        names.insert(names.index("float16") if "float16" in names else len(names), "int4_weights")
-        options["int4_weights"] = {
+        return {
             "block_size": settings.block_size,
             "form": form,
-            # TensorRT reads INT4 DequantizeLinear without zero points; ONNX Runtime reads either
-            "symmetric": settings.symmetric or (form == "qdq" and not ort),
+            "symmetric": settings.symmetric or (form == "qdq" and not target.abilities.zero_points),
             "accuracy_level": settings.accuracy_level,
             "embedding_bits": settings.embedding_bits,
         }
-    if compression is not None:
-        if target.static_shapes:  # its slot count is a symbolic dim, and its prompt-end selection runs in numpy
-            raise BuildSettingsError(
-                f"the compressed cache (--kv-*) does not build for {target.name} yet: it needs static shapes; "
-                "use the plain cache (--context) there"
-            )
-        if not target.runtime.startswith("ort-"):
-            raise BuildSettingsError(
-                f"the compressed cache (--kv-*) builds for ONNX Runtime targets; {target.name} runs "
-                f"{target.runtime}, which takes the plain cache for now"
-            )
-        names.insert(0, "kv_cache")  # before any lowering of the remaining (sliding-window) KVAttention nodes
-        options["kv_cache"] = compression.to_json()
-    return names, options, weights
+    return {}
 
 
 def resolve_context(settings: BuildSettings, max_context: int | None) -> int:
+    if settings.context is not None and settings.context < 1:
+        raise BuildSettingsError(f"--context must be a positive number of tokens, got {settings.context}")
     maximum = int(max_context or 0)
     context = settings.context or maximum
     if maximum and context > maximum:
@@ -179,14 +166,20 @@ def resolve_context(settings: BuildSettings, max_context: int | None) -> int:
     return context
 
 
-def check_fits(shape, target: Target, context: int, prefill_chunk: int, weights: str, kv: str, capacity: int) -> None:
+def check_fits(plan: Plan, kv_dtype: str) -> None:
     """Run the memory planner on the settings this build produces: refuse what cannot fit."""
-    from edgec.plan import Settings, plan
+    from edgec.plan import Settings
+    from edgec.plan import plan as memory_plan
 
+    capacity = plan.kv.capacity if plan.kv else plan.context
     settings = Settings(
-        weights=weights, kv=kv, context=context, prefill_chunk=prefill_chunk, capacity_fraction=capacity / context
+        weights=plan.weights,
+        kv=kv_dtype,
+        context=plan.context,
+        prefill_chunk=plan.prefill_chunk,
+        capacity_fraction=capacity / plan.context,
     )
-    plan(shape, target, settings, fixed=frozenset({"weights", "kv", "prefill_chunk", "capacity"}))
+    memory_plan(plan.shape, plan.target, settings, fixed=frozenset({"weights", "kv", "prefill_chunk", "capacity"}))
 
 
 def build(
@@ -194,47 +187,18 @@ def build(
 ) -> BuildResult:
     """Compile ``model_path`` for ``settings.target`` into the bundle folder ``output``."""
     progress = progress or (lambda stage, done=None, total=None: None)
-    target = _check_settings(settings)
+    load_target(settings.target)  # an unknown target is the first thing to say
     output = Path(output)
     from edgec.load import inspect_source
 
     # fail fast, from the config alone, before the output folder is touched or weights are read
     source = inspect_source(model_path, settings.allow_pickle)
-    context = resolve_context(settings, source["max_context"])
-    from edgec.plan import model_shape
-
-    shape = model_shape(model_path)
-    prefill_chunk = min(context, settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)))
-    compression = settings.compression(context)
-    if compression is not None:
-        compression.check(shape.head_dim, prefill_chunk)
-        if compression.capacity > context:
-            raise BuildSettingsError(f"--kv-capacity {compression.capacity} exceeds the context {context}")
-    if settings.protect is not None:
-        from edgec.runtime.protect import HEURISTICS
-
-        kinds = [kind.strip() for kind in settings.protect.split(",")]
-        if compression is None or not kinds or any(kind not in HEURISTICS for kind in kinds):
-            raise BuildSettingsError(
-                f"--protect takes {','.join(HEURISTICS)} and needs a compressed cache (--kv-capacity/--kv-dtype); "
-                f"got {settings.protect!r}"
-            )
-    names, options, weights = pass_plan(target, settings, compression)
-    kv = compression.dtype if compression else ("fp16" if "float16" in names else "fp32")
-    check_fits(shape, target, context, prefill_chunk, weights, kv, compression.capacity if compression else context)
+    plan = plan_build(settings, source["shape"], source["shape"].max_context)
     with atomic_folder(output, settings.overwrite) as folder:
-        return _build_into(Path(model_path), folder, target, settings, context, (names, options, weights), progress)
+        return _build_into(Path(model_path), folder, settings, plan, progress)
 
 
-def _build_into(
-    model_path: Path,
-    folder: Path,
-    target: Target,
-    settings: BuildSettings,
-    context: int,
-    planned_passes: tuple[list[str], dict[str, dict], str],
-    progress: Progress,
-) -> BuildResult:
+def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: Plan, progress: Progress) -> BuildResult:
     import onnx_ir as ir
 
     from edgec.chat_template import chat_format_from_tokenizer
@@ -242,12 +206,12 @@ def _build_into(
     from edgec.load import load_model
     from edgec.passes import run_passes
 
+    target, context, prefill_chunk = plan.target, plan.context, plan.prefill_chunk
     timings: dict[str, float] = {}
     start = time.perf_counter()
     progress("load")
     loaded = load_model(model_path, settings.allow_pickle)
-    prefill_chunk = min(context, settings.prefill_chunk or int(target.defaults.get("prefill_chunk", 512)))
-    spec = cache_spec_for(loaded.config, context, prefill_chunk)
+    spec = cache_spec_for(plan.shape, context, prefill_chunk)
     prompts = [loaded.tokenizer(text)["input_ids"] for text in VALIDATION_PROMPTS]
     reference_logits = _torch_last_logits(loaded.causal_lm, prompts)
     generation = _generation_defaults(loaded)
@@ -256,16 +220,13 @@ def _build_into(
     progress("calibrate")
     if settings.quant_method in ("gptq", "awq"):
         start = time.perf_counter()
-        _calibrate(settings, loaded, planned_passes, report=lambda done, total: progress("calibrate", done, total))
+        _calibrate(settings, loaded, plan, report=lambda done, total: progress("calibrate", done, total))
         timings["calibrate_s"] = time.perf_counter() - start
 
     progress("export")
     start = time.perf_counter()
     model = export_step(loaded.causal_lm, spec)
-    names, options, weights = planned_passes
-    options = options | {"kv_attention_gqa": {"context": context}}  # ring caches (capacity < context) stay
-    pass_counts = run_passes(model, names, options)
-    spec = _spec_after_passes(spec, model, options.get("kv_cache"))
+    pass_counts, spec = run_passes(model, plan.passes, plan.options, spec)
     timings["export_s"] = time.perf_counter() - start
     del loaded.causal_lm
 
@@ -283,7 +244,7 @@ def _build_into(
 
     progress("validate")
     start = time.perf_counter()
-    validation = _validate(folder, model_files, spec, prompts, reference_logits)
+    validation = _validate(folder, model_files, spec, prefill_chunk, prompts, reference_logits)
     timings["validate_s"] = time.perf_counter() - start
 
     progress("engine")
@@ -291,7 +252,7 @@ def _build_into(
     runtime = {"library": "onnxruntime", "min_version": "1.20", "providers": [provider]}
     if target.provider_options:
         runtime["provider_options"] = {provider: target.provider_options}
-    if target.runtime == "tensorrt-rtx":
+    if target.abilities.engine == "tensorrt-rtx":
         from edgec.trt import build_engine
 
         start = time.perf_counter()
@@ -301,12 +262,13 @@ def _build_into(
         timings["engine_s"] = time.perf_counter() - start
 
     progress("bundle")
+    recorded = {**asdict(settings), "kv": plan.kv.to_json() if plan.kv else None}
     manifest = {
         "edgec_version": __version__,
         "source": loaded.source,
         "target": target.to_json(),
-        "build_settings": {**asdict(settings), "context": context, "prefill_chunk": prefill_chunk, "weights": weights},
-        "runtime": runtime,
+        "build_settings": {**recorded, "context": context, "prefill_chunk": prefill_chunk, "weights": plan.weights},
+        "runtime": runtime | plan.runtime_section(settings),
         "model": {**model_files, "num_layers": len(spec.layers), "context": context},
         "cache": {
             **spec.to_json(),
@@ -328,7 +290,7 @@ def _build_into(
     return BuildResult(write_manifest(folder, manifest), {key: round(value, 2) for key, value in timings.items()})
 
 
-def _calibrate(settings: BuildSettings, loaded, planned_passes, report) -> None:
+def _calibrate(settings: BuildSettings, loaded, plan: Plan, report) -> None:
     """Round the torch model's Linear weights with a calibrated method before export (the int4 pass then finds
     the weights on its grids)."""
     if settings.quant_method == "gptq":
@@ -348,33 +310,8 @@ def _calibrate(settings: BuildSettings, loaded, planned_passes, report) -> None:
     else:
         from edgec.awq import awq
 
-        symmetric = planned_passes[1]["int4_weights"]["symmetric"]  # the grid the pass will round to
+        symmetric = plan.options["int4_weights"]["symmetric"]  # the grid the pass will round to
         awq(loaded.causal_lm, loaded.tokenizer, settings.block_size, symmetric, settings.calib, report)
-
-
-def _spec_after_passes(spec, model, compression_settings: dict | None):
-    """The cache the built graph really has: compressed layers (by their score state), float dtype, whether
-    positions are state."""
-    import onnx_ir as ir
-
-    graph_inputs = {value.name: value for value in model.graph.inputs}
-    compression = Compression(**compression_settings) if compression_settings else None
-    layers = tuple(
-        dataclasses.replace(layer, compressed=True, capacity=compression.capacity)
-        if f"cache.{layer.layer}.score" in graph_inputs
-        else layer
-        for layer in spec.layers
-    )
-    plain = [layer for layer in layers if not layer.compressed]
-    positions = not plain or any(layer.input_names()[2] in graph_inputs for layer in plain)
-    k_value = graph_inputs[(plain or layers)[0].input_names(compression)[0]]
-    return dataclasses.replace(
-        spec,
-        layers=layers,
-        positions=positions,
-        dtype="float16" if k_value.dtype == ir.DataType.FLOAT16 else "float32",
-        compression=compression,
-    )
 
 
 def _torch_last_logits(causal_lm, prompts: list[list[int]]) -> list[np.ndarray]:
@@ -415,16 +352,21 @@ def _write_static_graphs(folder: Path, tokens: int) -> dict[str, Any]:
 
 
 def _validate(
-    folder: Path, model_files: dict[str, Any], spec, prompts: list[list[int]], reference: list[np.ndarray]
+    folder: Path,
+    model_files: dict[str, Any],
+    spec,
+    prefill_chunk: int,
+    prompts: list[list[int]],
+    reference: list[np.ndarray],
 ) -> dict[str, Any]:
     """Run the saved graph(s) on the validation prompts and compare with the source model's logits."""
-    from edgec.runtime.backend_ort import open_step
+    from edgec.runtime.backend_ort import open_backend
 
-    step = open_step(folder, model_files, spec, providers=["CPUExecutionProvider"])
+    state = open_backend(folder, model_files, spec, prefill_chunk, providers=["CPUExecutionProvider"]).open_state()
     errors, agree = [], []
     for ids, expected in zip(prompts, reference, strict=True):
-        step.reset()
-        logits = step.run(np.asarray(ids, dtype=np.int64), 0, last_only=True)[-1]
+        state.reset()
+        logits = state.run(np.asarray(ids, dtype=np.int64), 0, last_only=True)[-1]
         errors.append(float(np.abs(logits.astype(np.float32) - expected).max()))
         agree.append(bool(int(logits.argmax()) == int(expected.argmax())))
     arrays = {f"ids_{i}": np.asarray(p, np.int64) for i, p in enumerate(prompts)}

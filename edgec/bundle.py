@@ -23,7 +23,7 @@ from typing import Any
 from edgec.errors import BundleError
 from edgec.manifest_schema import manifest_errors
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # v2: the runtime section holds what the runtime needs; the cache names each layer's state
 MANIFEST = "manifest.json"
 
 
@@ -108,6 +108,17 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
                 "the file is damaged or truncated"
             )
     return manifest
+
+
+def upgrade_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest in the current format's layout (a copy; v1 bundles keep loading). v1 kept the runtime's prefill
+    chunk and default protect heuristics among the build settings; v1's per-layer state is read by
+    ``CacheSpec.from_json`` (and narrowed to the graph's inputs by the runtime)."""
+    if manifest.get("format_version", FORMAT_VERSION) >= 2:
+        return manifest
+    settings = manifest["build_settings"]
+    runtime = {**manifest["runtime"], "prefill_chunk": settings["prefill_chunk"], "protect": settings.get("protect")}
+    return {**manifest, "runtime": runtime}
 
 
 def verify_hashes(folder: str | Path, manifest: dict[str, Any]) -> list[str]:

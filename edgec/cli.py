@@ -9,10 +9,11 @@ from pathlib import Path
 import click
 
 from edgec.errors import EdgecError
+from edgec.kvcache.compression import Compression
 
 
 class _Group(click.Group):
-    """Turns any EdgecError into one line on stderr and exit code 2."""
+    """Turns any EdgecError, and any bad option or argument, into one line on stderr and exit code 2."""
 
     def invoke(self, ctx):
         try:
@@ -20,12 +21,36 @@ class _Group(click.Group):
         except EdgecError as error:
             click.echo(f"error: {error}", err=True)
             sys.exit(2)
+        except click.UsageError as error:
+            command = f" (see edgec {error.ctx.info_name} --help)" if error.ctx is not None else ""
+            click.echo(f"error: {error.format_message()}{command}", err=True)
+            sys.exit(2)
 
 
 @click.group(cls=_Group)
 @click.version_option(package_name="edgec")
 def main() -> None:
     """Compile a decoder-only language model into a bundle that runs offline on one target."""
+
+
+# the compressed cache's options come from its settings type: flag, help, choices and default are declared once
+def kv_options(command=None, *, at_load: bool = False):
+    """Add one option per compressed-cache setting that has a flag (``Compression``'s fields); ``at_load``: only
+    those a built bundle may change (for ``edgec run``), defaulting to the bundle's."""
+
+    def add(command):
+        for _, default, option in reversed(Compression.options()):
+            if option.flag is None or (at_load and not option.at_load):
+                continue
+            choices = option.allowed()
+            kind = click.Choice(choices) if choices else (type(default) if default is not None else int)
+            shown = "[the bundle's]" if at_load else f"[default: {option.default_text or default}]"
+            command = click.option(
+                option.flag, type=kind, default=None, help=f"Compressed cache: {option.help} {shown}"
+            )(command)
+        return command
+
+    return add(command) if command is not None else add
 
 
 @main.command()
@@ -55,18 +80,7 @@ def main() -> None:
     show_default=True,
     help="int4 on ONNX Runtime: 4 = int8 activations (fast), 1 = fp32 activations (exact).",
 )
-@click.option("--kv-capacity", type=int, default=None, help="Compressed cache: slots per layer and head [context].")
-@click.option("--kv-sink", type=int, default=4, show_default=True, help="Compressed cache: first tokens never evicted.")
-@click.option("--kv-window", type=int, default=64, show_default=True, help="Compressed cache: recent tokens kept.")
-@click.option("--kv-policy", default=None, help="Eviction policy: streaming, h2o, snapkv, adaptive, tova [snapkv].")
-@click.option("--kv-dtype", default=None, help="Cache storage: fp32, fp16, int8, fp8, int4 [fp32].")
-@click.option("--kv-group", type=int, default=32, show_default=True, help="Channels per dynamic cache scale.")
-@click.option(
-    "--prefill-compress",
-    default="end",
-    show_default=True,
-    help="end: read the whole prompt, then select (query-aware); chunk: select between chunks (bounded memory).",
-)
+@kv_options
 @click.option("--protect", default=None, help="Default protected tokens at run time: numbers,names.")
 @click.option(
     "--embedding-bits",
@@ -100,13 +114,6 @@ def build(
     block_size,
     symmetric,
     accuracy_level,
-    kv_capacity,
-    kv_sink,
-    kv_window,
-    kv_policy,
-    kv_dtype,
-    kv_group,
-    prefill_compress,
     protect,
     embedding_bits,
     quant_method,
@@ -114,6 +121,7 @@ def build(
     int4_form,
     allow_pickle,
     overwrite,
+    **kv_flags,
 ) -> None:
     """Build a bundle from a Hugging Face folder or a .gguf file.
 
@@ -134,13 +142,7 @@ def build(
         block_size=int(block_size),
         symmetric=symmetric,
         accuracy_level=accuracy_level,
-        kv_capacity=kv_capacity,
-        kv_sink=kv_sink,
-        kv_window=kv_window,
-        kv_policy=kv_policy,
-        kv_dtype=kv_dtype,
-        kv_group=kv_group,
-        prefill_compress=prefill_compress,
+        kv=Compression.from_flags({Compression.parameters()[key]: value for key, value in kv_flags.items()}),
         protect=protect,
         embedding_bits=embedding_bits,
         quant_method=quant_method,
@@ -278,8 +280,8 @@ def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk):
 @click.option("--seed", type=int, default=None)
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat format.")
 @click.option("--protect", default=None, help="Compressed cache: never evict these prompt tokens (numbers,names).")
-@click.option("--kv-capacity", type=int, default=None, help="Compressed cache: slots per head [the bundle's].")
-def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, protect, kv_capacity) -> None:
+@kv_options(at_load=True)
+def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, protect, **kv_flags) -> None:
     """Generate text from a bundle, streaming to the terminal.
 
     \b
@@ -288,7 +290,7 @@ def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, p
     """
     from edgec.runtime import Model
 
-    model = Model.load(bundle, kv_capacity=kv_capacity)
+    model = Model.load(bundle, **kv_flags)
     pieces = model.generate(
         prompt,
         protect=protect,
@@ -317,10 +319,11 @@ def inspect(bundle) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from edgec.bundle import read_manifest
+    from edgec.bundle import read_manifest, upgrade_manifest
 
-    manifest = read_manifest(bundle)
+    manifest = upgrade_manifest(read_manifest(bundle))
     console = Console()
+    # build_settings is a record of the build (shown, never relied on); the rest is what the runtime reads
     source, cache, settings = manifest["source"], manifest["cache"], manifest["build_settings"]
     console.print(f"[bold]{bundle}[/bold]  format v{manifest['format_version']}, edgec {manifest['edgec_version']}")
     console.print(f"source: {source['name']} ({source['model_type']}, {source['kind']})")
@@ -334,7 +337,7 @@ def inspect(bundle) -> None:
             f"≤ {runtime['max_tokens_per_step']} tokens per step; rebuildable from {manifest['model']['file']}"
         )
     console.print(
-        f"context: {settings['context']} tokens, prefill chunk {settings['prefill_chunk']}, "
+        f"context: {manifest['model']['context']} tokens, prefill chunk {runtime['prefill_chunk']}, "
         f"weights {settings.get('weights', 'fp32')}"
     )
     if settings.get("weights") == "int4":

@@ -1,4 +1,5 @@
-"""The manifest schema of bundle format version 1, as data, and its validator (standard library only).
+"""The manifest schemas of bundle format versions 1 and 2, as data, and their validator (standard library and
+the compressed-cache settings type, whose fields give that section's schema).
 
 A schema is a dict of key → type, a nested schema dict, or ``[schema]`` for a list of such items. Keys marked
 optional with a trailing ``?`` may be absent; ``None`` in a type tuple allows null. docs/bundle-format.md
@@ -9,20 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from edgec.kvcache.compression import Compression
+
 NUMBER = (int, float)
 
-LAYER = {"layer": int, "num_kv_heads": int, "head_dim": int, "capacity": int, "window": int, "compressed?": bool}
-COMPRESSION = {
-    "capacity": int,
-    "sink": int,
-    "window": int,
-    "policy": str,
-    "dtype": str,
-    "group": int,
-    "observe": int,
-    "prefill_compress": str,
-    "protect_fraction": NUMBER,
-}
+LAYER_V1 = {"layer": int, "num_kv_heads": int, "head_dim": int, "capacity": int, "window": int, "compressed?": bool}
+LAYER = LAYER_V1 | {"compressed": bool, "state": [str]}
 SCHEMA_V1: dict[str, Any] = {
     "format_version": int,
     "edgec_version": str,
@@ -50,7 +43,7 @@ SCHEMA_V1: dict[str, Any] = {
         "dtype": str,
         "positions?": bool,
         "compression?": (dict, type(None)),
-        "layers": [LAYER],
+        "layers": [LAYER_V1],
         "bytes_per_token": int,
         "kv_bytes_per_token?": NUMBER,
         "ring_kv_bytes?": NUMBER,
@@ -62,10 +55,19 @@ SCHEMA_V1: dict[str, Any] = {
     "validation": {"prompts": int, "max_abs_logit_error": NUMBER, "top1_agreement": NUMBER, "reference": str},
     "files": dict,
 }
+# v2: the runtime reads only the runtime, model, cache, tokenizer and generation sections; build_settings is a
+# record of how the bundle was made (free to change between releases)
+SCHEMA_V2: dict[str, Any] = SCHEMA_V1 | {
+    "build_settings": dict,
+    "runtime": SCHEMA_V1["runtime"]
+    | {"prefill_chunk": int, "protect": (str, type(None)), "engine?": str, "version?": str},
+    "cache": {key: value for key, value in SCHEMA_V1["cache"].items() if key != "positions?"} | {"layers": [LAYER]},
+}
+SCHEMAS = {1: SCHEMA_V1, 2: SCHEMA_V2}
 FILE_ENTRY = {"size": int, "sha256": str}
 
 
-def schema_errors(value: Any, schema: Any = SCHEMA_V1, where: str = "manifest") -> list[str]:
+def schema_errors(value: Any, schema: Any = SCHEMA_V2, where: str = "manifest") -> list[str]:
     """Every place where ``value`` does not fit ``schema``, as readable paths; empty when it fits."""
     if isinstance(schema, dict):
         if not isinstance(value, dict):
@@ -94,9 +96,12 @@ def schema_errors(value: Any, schema: Any = SCHEMA_V1, where: str = "manifest") 
 
 
 def manifest_errors(manifest: Any) -> list[str]:
-    errors = schema_errors(manifest)
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version not in SCHEMAS:
+        return [f"manifest.format_version {version!r} is not one of {', '.join(map(str, SCHEMAS))}"]
+    errors = schema_errors(manifest, SCHEMAS[version])
     if not errors and manifest["cache"].get("compression"):
-        errors += schema_errors(manifest["cache"]["compression"], COMPRESSION, "manifest.cache.compression")
+        errors += schema_errors(manifest["cache"]["compression"], Compression.schema(), "manifest.cache.compression")
     if not errors:
         for name, entry in manifest["files"].items():
             errors += schema_errors(entry, FILE_ENTRY, f"manifest.files[{name!r}]")

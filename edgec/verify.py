@@ -220,7 +220,9 @@ def _validation_feeds(bundle: Path, manifest: dict) -> list[dict]:
     from edgec.kvcache.spec import CacheSpec
 
     spec = CacheSpec.from_json(manifest["cache"])
-    graph_inputs = {value.name for value in onnx.load(str(bundle / "model.onnx"), load_external_data=False).graph.input}
+    if manifest["format_version"] < 2:  # v1 named the state only in part: what the graph has
+        graph = onnx.load(str(bundle / manifest["model"]["file"]), load_external_data=False).graph
+        spec = spec.keeping({value.name for value in graph.input})
     stored = np.load(bundle / "validation.npz")
     feeds = []
     for index in range(manifest["validation"]["prompts"]):
@@ -230,13 +232,5 @@ def _validation_feeds(bundle: Path, manifest: dict) -> list[dict]:
             "position_ids": np.arange(len(ids))[None],
             "logits_index": np.array([len(ids) - 1]),
         }
-        if spec.compression:
-            feed["protect"] = np.zeros((1, len(ids)), bool)
-        for layer in spec.layers:
-            state = spec.empty_state(layer)
-            for name, array in zip(layer.input_names(spec.compression), state.values(), strict=True):
-                if name not in graph_inputs:
-                    continue  # a pos made implicit where the target's lowering removed it
-                feed[name] = array
-        feeds.append(feed)
+        feeds.append(feed | spec.empty_feeds(len(ids)))
     return feeds

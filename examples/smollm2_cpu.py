@@ -22,14 +22,16 @@ def smollm2_gguf() -> Path:
     return Path(location) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def edgec(*args: str) -> None:
+    """The edgec command of the Python running this script (its venv need not be activated)."""
+    subprocess.run([sys.executable, "-m", "edgec.cli", *args], check=True)
+
+
 def main() -> None:
     question = sys.argv[1] if len(sys.argv) > 1 else "Explain in two sentences why a KV cache speeds up generation."
     if not (BUNDLE / "manifest.json").exists():
-        subprocess.run(
-            ["edgec", "build", str(smollm2_gguf()), "--target", "cpu", "-o", str(BUNDLE), "--context", "4096"],
-            check=True,
-        )
-    subprocess.run(["edgec", "inspect", str(BUNDLE)], check=True)
+        edgec("build", str(smollm2_gguf()), "--target", "cpu", "-o", str(BUNDLE), "--context", "4096")
+    edgec("inspect", str(BUNDLE))
 
     from edgec.runtime import Model  # what an application embeds: numpy + onnxruntime + tokenizers only
 

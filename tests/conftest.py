@@ -31,6 +31,17 @@ TINY_LLAMA = dict(
 )
 
 
+def build_settings(**values):
+    """``BuildSettings`` from the keyword names the CLI takes: the compressed cache's as ``kv_capacity=...``,
+    ``kv_dtype=...``, ``prefill_compress=...`` (``Compression.parameters``), everything else as is."""
+    from edgec.build import BuildSettings
+    from edgec.kvcache.compression import Compression
+
+    names = Compression.parameters()
+    kv = {names[key]: values.pop(key) for key in list(values) if key in names}
+    return BuildSettings(**values, kv=Compression.from_flags(kv))
+
+
 def pydoc_text() -> str:
     from pydoc_data.topics import topics
 

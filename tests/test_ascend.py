@@ -13,7 +13,7 @@ from edgec.build import BuildSettings, build
 from edgec.errors import BundleError
 from edgec.passes.static_shapes import dynamic_values
 from edgec.runtime import Model
-from tests.conftest import manifest, pydoc_text
+from tests.conftest import build_settings, manifest, pydoc_text
 
 CPU = ["CPUExecutionProvider"]
 
@@ -86,5 +86,5 @@ def test_compressed_cache_is_refused_before_any_work(tiny_llama, tmp_path):
     from edgec.errors import BuildSettingsError
 
     with pytest.raises(BuildSettingsError, match="static shapes"):
-        build(tiny_llama, tmp_path / "x", BuildSettings(target="ascend-910b", context=128, kv_capacity=96))
+        build(tiny_llama, tmp_path / "x", build_settings(target="ascend-910b", context=128, kv_capacity=96))
     assert not (tmp_path / "x").exists()

@@ -12,6 +12,7 @@ from edgec.build import BuildSettings, build
 from edgec.errors import UnsupportedModelError
 from edgec.load import check_model_features, check_model_type
 from edgec.runtime import Model
+from tests.conftest import build_settings
 
 SMALL = dict(
     hidden_size=64,
@@ -153,7 +154,7 @@ def test_gemma3_compressed_global_layer_keeps_the_rings_across_an_end_mode_promp
     the sliding layers' rings holding the prompt's last tokens for the steps that follow."""
     folder, _ = gemma3
     out = tmp_path / "gemma3.kv.edgec"
-    result = build(folder, out, BuildSettings(target="cpu", context=96, prefill_chunk=16, kv_capacity=40, kv_window=8))
+    result = build(folder, out, build_settings(target="cpu", context=96, prefill_chunk=16, kv_capacity=40, kv_window=8))
     assert [layer.get("compressed", False) for layer in result.manifest["cache"]["layers"]] == [
         False,
         False,
@@ -163,7 +164,7 @@ def test_gemma3_compressed_global_layer_keeps_the_rings_across_an_end_mode_promp
     runtime = Model.load(out)
     ids = np.random.default_rng(2).integers(0, runtime.vocab_size, 60).tolist()
     runtime.next_token_logits(ids)
-    state = {name: array for name, _, array, _ in runtime._step._state}
+    state = runtime._idle[-1].arrays()  # the cache state that call ran on, back in the pool
     for layer in (0, 1, 3):
         assert state[f"cache.{layer}.pos"].max() == 59 and (state[f"cache.{layer}.pos"] >= 0).sum() == 32
     assert (state["cache.2.pos"] >= 0).sum() == 40

@@ -28,86 +28,107 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from edgec.errors import BundleError
 from edgec.kvcache.reference import select_slots
-from edgec.kvcache.spec import CacheSpec
+from edgec.kvcache.spec import PROTECT_INPUT, CacheSpec, StateTensor
 
-StateEntry = tuple[str, str, np.ndarray, ort.OrtValue]  # input name, output name, buffer, its OrtValue
+StateEntry = tuple[StateTensor, np.ndarray, ort.OrtValue]  # a state tensor, its buffer, that buffer's OrtValue
 
 
-class OrtStep:
-    """Runs the step graph: tokens at explicit positions in, logits out, cache updated in place."""
+def session_options(threads: int | None) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    # ONNX Runtime's pool threads spin between nodes (its default, kept): on a dedicated machine that is what
+    # makes 2 threads pay (int4 decode 0.97x genai spinning vs 0.66x not). On a machine that runs anything
+    # else a spinning pool waits on a descheduled thread at every one of a step's ~1,000 small nodes:
+    # EDGEC_ORT_SPIN=0 made decode 2x faster there (docs/BENCHMARKS.md, "threads")
+    options.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("EDGEC_ORT_SPIN", "1"))
+    if threads:
+        options.intra_op_num_threads = threads
+    return options
+
+
+class OrtGraph:
+    """One ONNX Runtime session over a step graph, checked against the cache spec it must carry."""
 
     def __init__(
         self,
         model_path: Path,
         spec: CacheSpec,
-        vocab_size: int,
-        providers: list[str] | None = None,
-        threads: int | None = None,
-        provider_options: dict[str, dict[str, str]] | None = None,
-        shared_state: list[StateEntry] | None = None,
+        providers: list[str],
+        threads: int | None,
+        provider_options: dict[str, dict[str, str]] | None,
+        exact: bool,
     ) -> None:
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
-        # ONNX Runtime's pool threads spin between nodes (its default, kept): on a dedicated machine that is what
-        # makes 2 threads pay (int4 decode 0.97x genai spinning vs 0.66x not). On a machine that runs anything
-        # else a spinning pool waits on a descheduled thread at every one of a step's ~1,000 small nodes:
-        # EDGEC_ORT_SPIN=0 made decode 2x faster there (docs/BENCHMARKS.md, "threads")
-        options.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("EDGEC_ORT_SPIN", "1"))
-        if threads:
-            options.intra_op_num_threads = threads
-        providers = providers or ["CPUExecutionProvider"]
         per_provider = [(provider_options or {}).get(name, {}) for name in providers]
         self.session = ort.InferenceSession(
-            str(model_path), options, providers=providers, provider_options=per_provider
+            str(model_path), session_options(threads), providers=providers, provider_options=per_provider
         )
         if note := cpu_fallback_note(self.session, providers[0], model_path.name):
             logging.getLogger("edgec.runtime").warning(note)  # shown by default; an embedding program may route it
+        inputs = {value.name for value in self.session.get_inputs()}
+        outputs = {value.name for value in self.session.get_outputs()}
+        if not exact:  # a format-v1 manifest: its state is what the graph has (v1 recorded it only in part)
+            spec = spec.keeping(inputs)
+        if problem := spec.mismatch(inputs, outputs):
+            raise BundleError(f"{model_path.name} does not carry the cache state its manifest names ({problem})")
         self.spec = spec
-        self.compression = spec.compression
-        self._graph_inputs = {value.name for value in self.session.get_inputs()}
-        self._protected = "protect" in self._graph_inputs
+        logits_type = next(o.type for o in self.session.get_outputs() if o.name == "logits")
+        self.logits_dtype = np.float16 if logits_type == "tensor(float16)" else np.float32
+
+
+def _allocate(spec: CacheSpec, compressed_slots: int | None = None) -> list[StateEntry]:
+    return [
+        (tensor, array, ort.OrtValue.ortvalue_from_numpy(array)) for tensor, array in spec.empty_state(compressed_slots)
+    ]
+
+
+class OrtBackend:
+    """A dynamic-shape bundle: one session; each cache state binds its own buffers to it."""
+
+    def __init__(self, graph: OrtGraph, vocab_size: int, max_tokens: int) -> None:
+        self.graph, self.spec, self.vocab_size, self.max_tokens = graph, graph.spec, vocab_size, max_tokens
+
+    @property
+    def providers(self) -> list[str]:
+        return self.graph.session.get_providers()
+
+    def open_state(self) -> OrtCacheState:
+        return OrtCacheState(self.graph, self.vocab_size)
+
+
+class OrtCacheState:
+    """One cache state on a session: tokens at explicit positions in, logits out, state updated in place."""
+
+    def __init__(self, graph: OrtGraph, vocab_size: int, shared_state: list[StateEntry] | None = None) -> None:
+        self.graph = graph
+        self.session = graph.session
+        self.spec = graph.spec
+        self.compression = self.spec.compression
+        self._protected = self.spec.protected
         # a second graph over the same cache (static-shape bundles) binds the same buffers
-        self._state = shared_state if shared_state is not None else self._allocate(spec.layers)
+        self._state = shared_state if shared_state is not None else _allocate(self.spec)
         self._active = self._state  # the state multi-token steps run on (a larger one while reading a prompt)
         # one-token step buffers, bound once
         self._token = np.zeros((1, 1), np.int64)
         self._position = np.zeros((1, 1), np.int64)
         self._last = np.zeros(1, np.int64)
         self._protect_one = np.zeros((1, 1), bool)
-        logits_type = next(o.type for o in self.session.get_outputs() if o.name == "logits")
-        self._logits_dtype = np.float16 if logits_type == "tensor(float16)" else np.float32
+        self._logits_dtype = graph.logits_dtype
         self._logits = np.zeros((1, 1, vocab_size), self._logits_dtype)
         self._decode = self._binding(
             self._state, self._token, self._position, self._last, self._protect_one, self._logits
         )
 
-    def _allocate(self, layers, compressed_slots: int | None = None) -> list[StateEntry]:
-        """State buffers for ``layers`` (compressed layers with ``compressed_slots`` slots when given)."""
-        entries = []
-        for layer in layers:
-            arrays = self.spec.empty_state(layer, compressed_slots if layer.compressed else None)
-            names = zip(layer.input_names(self.compression), layer.output_names(self.compression), strict=True)
-            for (input_name, output_name), array in zip(names, arrays.values(), strict=True):
-                if input_name not in self._graph_inputs:  # e.g. pos, where the target's lowering made it implicit
-                    continue
-                entries.append((input_name, output_name, array, ort.OrtValue.ortvalue_from_numpy(array)))
-        return entries
-
-    @property
-    def providers(self) -> list[str]:
-        """The execution providers this session runs on, in ONNX Runtime's order."""
-        return self.session.get_providers()
-
     def _binding(self, state, ids, positions, index, protect, logits) -> ort.IOBinding:
         binding = self.session.io_binding()
-        for input_name, output_name, _, value in state:
-            binding.bind_ortvalue_input(input_name, value)
-            binding.bind_ortvalue_output(output_name, value)
+        for tensor, _, value in state:
+            binding.bind_ortvalue_input(tensor.input, value)
+            binding.bind_ortvalue_output(tensor.output, value)
         feeds = {"input_ids": ids, "position_ids": positions, "logits_index": index}
         if self._protected:
-            feeds["protect"] = protect
+            feeds[PROTECT_INPUT] = protect
         # the binding holds only the native values: the numpy buffers they wrap must outlive it, so it keeps them
         binding.keep_alive = [*feeds.values(), logits]
         for name, array in feeds.items():
@@ -115,12 +136,15 @@ class OrtStep:
         binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         return binding
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {tensor.input: array.copy() for tensor, array, _ in self._state}
+
     def reset(self) -> None:
         """Empty every slot. Only positions need clearing: an empty slot (pos -1) is masked, never scored or
         kept, and whatever finite values it holds are overwritten when it is filled."""
         self._active = self._state
-        for input_name, _, array, _ in self._state:
-            if input_name.endswith(".pos"):
+        for tensor, array, _ in self._state:
+            if tensor.name == "pos":
                 array.fill(-1)
 
     # --- reading a long prompt into a compressed cache ------------------------------------------------------
@@ -130,34 +154,31 @@ class OrtStep:
         compression = self.compression
         if compression and compression.prefill_compress == "end" and length > compression.capacity:
             # only the compressed layers get larger buffers; the others (sliding-window rings) keep their own
-            compressed = [layer for layer in self.spec.layers if layer.compressed]
-            larger = {entry[0]: entry for entry in self._allocate(compressed, length)}
-            self._active = [larger.get(entry[0], entry) for entry in self._state]
+            larger = {entry[0]: entry for entry in _allocate(self.spec, length)}
+            compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
+            self._active = [larger[entry[0]] if entry[0].layer in compressed else entry for entry in self._state]
 
     def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
         """After the prompt: keep the best ``capacity`` slots of the temporary state in the real one
         (``last_chunk_start``: the first position of the last step, whose scores the op already pooled)."""
         if self._active is self._state:
             return
-        by_layer: dict[str, dict[str, np.ndarray]] = {}
-        for input_name, _, array, _ in self._active:
-            layer, name = input_name.rsplit(".", 1)
-            by_layer.setdefault(layer, {})[name] = array
+        compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
+        by_layer: dict[int, dict[str, np.ndarray]] = {}
+        for tensor, array, _ in self._active:
+            if tensor.layer in compressed:
+                by_layer.setdefault(tensor.layer, {})[tensor.name] = array
+        capacity = self.compression.capacity
         kept = {
-            layer: select_slots(state, self.compression, newest, self.compression.capacity, last_chunk_start)
+            layer: select_slots(state, self.compression, newest, capacity, last_chunk_start)
             for layer, state in by_layer.items()
-            if "score" in state
         }
-        for input_name, _, array, _ in self._state:
-            layer, name = input_name.rsplit(".", 1)
-            if layer in kept:
-                np.copyto(array, kept[layer][name])
+        for tensor, array, _ in self._state:
+            if tensor.layer in kept:
+                np.copyto(array, kept[tensor.layer][tensor.name])
         self._active = self._state
 
     def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:
-        """Feed ``ids`` at positions ``start, start+1, ...``; logits [N, V] for the last (or every) position.
-        ``protect`` flags tokens a compressed cache must never evict. The one-token result is a view of a buffer
-        the next step overwrites: copy it to keep it."""
         count = len(ids)
         if count == 1 and self._active is self._state:
             self._token[0, 0] = ids[0]
@@ -183,16 +204,30 @@ class OrtStep:
         return logits[0]
 
 
-class StaticOrtStep:
-    """Same interface as OrtStep, over a static-shape bundle's two graphs: ``decode`` for one token, ``prefill`` for
-    chunks padded to ``tokens``. (Static targets keep an uncompressed cache: no prompt-end selection here.)"""
+class StaticOrtBackend:
+    """A static-shape bundle's two graphs: ``decode`` for one token, ``prefill`` for chunks padded to ``tokens``;
+    a cache state binds one set of buffers to both. (Static targets keep an uncompressed cache.)"""
 
-    def __init__(self, prefill: OrtStep, decode: OrtStep, tokens: int) -> None:
-        self.prefill, self.decode, self.tokens = prefill, decode, tokens
+    def __init__(self, prefill: OrtGraph, decode: OrtGraph, vocab_size: int, tokens: int) -> None:
+        self.prefill, self.decode, self.vocab_size, self.max_tokens = prefill, decode, vocab_size, tokens
+        self.spec = prefill.spec
 
     @property
     def providers(self) -> list[str]:
-        return self.prefill.providers
+        return self.prefill.session.get_providers()
+
+    def open_state(self) -> StaticOrtCacheState:
+        prefill = OrtCacheState(self.prefill, self.vocab_size)
+        decode = OrtCacheState(self.decode, self.vocab_size, shared_state=prefill._state)
+        return StaticOrtCacheState(prefill, decode, self.max_tokens)
+
+
+class StaticOrtCacheState:
+    def __init__(self, prefill: OrtCacheState, decode: OrtCacheState, tokens: int) -> None:
+        self.prefill, self.decode, self.tokens = prefill, decode, tokens
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return self.decode.arrays()
 
     def reset(self) -> None:
         self.decode.reset()  # the cache buffers are shared: one reset empties both
@@ -221,21 +256,24 @@ class StaticOrtStep:
         return logits[-1:] if last_only else logits
 
 
-def open_step(
+def open_backend(
     folder: Path,
     model: dict[str, Any],
     spec: CacheSpec,
+    prefill_chunk: int,
     providers: list[str],
     provider_options: dict[str, dict[str, str]] | None = None,
     threads: int | None = None,
-) -> OrtStep | StaticOrtStep:
-    """The step for a bundle's ``model`` section (its manifest entry): one dynamic graph, or two static ones."""
+    exact: bool = True,
+) -> OrtBackend | StaticOrtBackend:
+    """The backend for a bundle's ``model`` section (its manifest entry): one dynamic graph, or two static ones.
+    ``exact``: the spec names every state tensor the graph has (format v2); False narrows it to the graph's."""
     vocab = int(model["vocab_size"])
-    first = OrtStep(folder / model["file"], spec, vocab, providers, threads, provider_options)
+    first = OrtGraph(folder / model["file"], spec, providers, threads, provider_options, exact)
     if "decode_file" not in model:
-        return first
-    decode = OrtStep(folder / model["decode_file"], spec, vocab, providers, threads, provider_options, first._state)
-    return StaticOrtStep(first, decode, int(model["static_tokens"]))
+        return OrtBackend(first, vocab, prefill_chunk)
+    decode = OrtGraph(folder / model["decode_file"], spec, providers, threads, provider_options, exact)
+    return StaticOrtBackend(first, decode, vocab, int(model["static_tokens"]))
 
 
 def cpu_fallback_note(session: ort.InferenceSession, provider: str, graph: str) -> str | None:

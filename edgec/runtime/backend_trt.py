@@ -32,8 +32,8 @@ def _check(result):
     return values[0] if len(values) == 1 else values
 
 
-class TrtStep:
-    """Same interface as OrtStep: run(ids, start, last_only) → logits [N, V]; reset()."""
+class TrtBackend:
+    """A deserialized engine; each cache state gets its own execution context, stream and device buffers."""
 
     def __init__(self, engine_path: Path, spec: CacheSpec, vocab_size: int, max_tokens: int) -> None:
         try:
@@ -45,25 +45,41 @@ class TrtStep:
         self.engine = self.runtime.deserialize_cuda_engine(engine_path.read_bytes())
         if self.engine is None:
             raise BundleError(f"{engine_path} does not load: built by another TensorRT-RTX release or for another GPU")
-        self.context = self.engine.create_execution_context()
-        self.stream = _check(self.cudart.cudaStreamCreate())
-        self.vocab_size, self.max_tokens = vocab_size, max_tokens
+        self.spec, self.vocab_size, self.max_tokens = spec, vocab_size, max_tokens
         self.float_dtype = np.float16 if spec.dtype == "float16" else np.float32
-        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        self.state: list[tuple[str, str, list[int], np.ndarray]] = []  # (input, output, [ptr A, ptr B], host init)
-        for layer in spec.layers:
-            initial = spec.empty_state(layer).values()
-            names = zip(layer.input_names(spec.compression), layer.output_names(spec.compression), strict=True)
-            for value, (inp, out) in zip(initial, names, strict=True):
-                if inp in names:
-                    self.state.append((inp, out, [self._alloc(value.nbytes), self._alloc(value.nbytes)], value))
+        names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
+        if problem := spec.mismatch(names, names):
+            raise BundleError(f"{engine_path.name} does not carry the cache state its manifest names ({problem})")
+
+    @property
+    def providers(self) -> list[str]:
+        return ["TensorRT-RTX"]
+
+    def open_state(self) -> TrtCacheState:
+        return TrtCacheState(self)
+
+
+class TrtCacheState:
+    """One cache state on the GPU, in two buffers per tensor swapped after each step (the step reads one and
+    writes the other)."""
+
+    def __init__(self, backend: TrtBackend) -> None:
+        self.backend, self.cudart = backend, backend.cudart
+        self.context = backend.engine.create_execution_context()
+        self.stream = _check(self.cudart.cudaStreamCreate())
+        # (state tensor, [device buffer A, device buffer B], its empty value on the host)
+        self.buffers = [
+            (tensor, [self._alloc(array.nbytes), self._alloc(array.nbytes)], array)
+            for tensor, array in backend.spec.empty_state()
+        ]
+        tokens, vocab = backend.max_tokens, backend.vocab_size
         self.io = {
             name: self._alloc(size)
             for name, size in (
-                ("input_ids", 8 * max_tokens),
-                ("position_ids", 8 * max_tokens),
-                ("logits_index", 8 * max_tokens),
-                ("logits", np.dtype(self.float_dtype).itemsize * max_tokens * vocab_size),
+                ("input_ids", 8 * tokens),
+                ("position_ids", 8 * tokens),
+                ("logits_index", 8 * tokens),
+                ("logits", np.dtype(backend.float_dtype).itemsize * tokens * vocab),
             )
         }
         self.reset()
@@ -73,16 +89,24 @@ class TrtStep:
 
     def _upload(self, pointer: int, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array)
-        _check(
-            self.cudart.cudaMemcpyAsync(
-                pointer, array.ctypes.data, array.nbytes, self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream
-            )
-        )
+        kind = self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+        _check(self.cudart.cudaMemcpyAsync(pointer, array.ctypes.data, array.nbytes, kind, self.stream))
         _check(self.cudart.cudaStreamSynchronize(self.stream))
 
+    def _download(self, array: np.ndarray, pointer: int) -> np.ndarray:
+        kind = self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        _check(self.cudart.cudaMemcpyAsync(array.ctypes.data, pointer, array.nbytes, kind, self.stream))
+        _check(self.cudart.cudaStreamSynchronize(self.stream))
+        return array
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {
+            tensor.input: self._download(np.empty_like(empty), pointers[0]) for tensor, pointers, empty in self.buffers
+        }
+
     def reset(self) -> None:
-        for _, _, pointers, initial in self.state:
-            self._upload(pointers[0], initial)
+        for _, pointers, empty in self.buffers:
+            self._upload(pointers[0], empty)
 
     def begin_prompt(self, length: int) -> None:
         """Engines are built for the plain cache only (no compressed-cache state to reshape)."""
@@ -92,8 +116,8 @@ class TrtStep:
 
     def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:
         count = len(ids)
-        if count > self.max_tokens:
-            raise BundleError(f"the engine takes at most {self.max_tokens} tokens per step, got {count}")
+        if count > self.backend.max_tokens:
+            raise BundleError(f"the engine takes at most {self.backend.max_tokens} tokens per step, got {count}")
         index = np.array([count - 1], np.int64) if last_only else np.arange(count, dtype=np.int64)
         feeds = {
             "input_ids": np.asarray(ids, np.int64).reshape(1, count),
@@ -105,22 +129,14 @@ class TrtStep:
             self.context.set_input_shape(name, array.shape)
             self.context.set_tensor_address(name, self.io[name])
         self.context.set_tensor_address("logits", self.io["logits"])
-        for inp, out, pointers, _ in self.state:
-            self.context.set_tensor_address(inp, pointers[0])
-            self.context.set_tensor_address(out, pointers[1])
+        for tensor, pointers, _ in self.buffers:
+            self.context.set_tensor_address(tensor.input, pointers[0])
+            self.context.set_tensor_address(tensor.output, pointers[1])
         if not self.context.execute_async_v3(self.stream):
             raise BundleError("TensorRT-RTX failed to run the step")
-        logits = np.empty((len(index), self.vocab_size), self.float_dtype)
-        _check(
-            self.cudart.cudaMemcpyAsync(
-                logits.ctypes.data,
-                self.io["logits"],
-                logits.nbytes,
-                self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost,
-                self.stream,
-            )
+        logits = self._download(
+            np.empty((len(index), self.backend.vocab_size), self.backend.float_dtype), self.io["logits"]
         )
-        _check(self.cudart.cudaStreamSynchronize(self.stream))
-        for entry in self.state:
-            entry[2].reverse()  # this step's outputs are the next step's inputs
+        for _, pointers, _ in self.buffers:
+            pointers.reverse()  # this step's outputs are the next step's inputs
         return logits

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from edgec.bundle import read_manifest, verify_hashes
-from edgec.errors import BundleError, GenerationError
-from edgec.kvcache.compression import PREFILL_MODES
+from edgec.bundle import read_manifest, upgrade_manifest, verify_hashes
+from edgec.errors import BuildSettingsError, BundleError, GenerationError
+from edgec.kvcache.compression import Compression
 from edgec.kvcache.spec import CacheSpec
 from edgec.runtime.chat import ChatFormat
 from edgec.runtime.protect import Protect, protect_flags
 from edgec.runtime.sampling import choose_token
+from edgec.runtime.step import Backend, CacheState
 from edgec.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
@@ -24,6 +27,12 @@ Prompt = str | Sequence[int]
 
 class Model:
     """A loaded bundle.
+
+    Threads: one ``Model`` may serve any number of threads, and any number of generators may be open at once
+    (interleaved in one thread or spread over several): the weights are loaded once and shared, and every
+    generation runs on a cache state of its own, taken from a pool when it starts and returned when it ends (a
+    streaming generator holds one until it is exhausted or closed). Memory therefore grows with the number of
+    generations running at the same moment: one cache state each (``cache_spec.total_bytes()``).
 
     Errors: ``BundleError`` when the bundle cannot be used; ``GenerationError`` (a ``ValueError``) for bad
     arguments: empty prompt, token ids outside the vocabulary, a prompt longer than the context, negative
@@ -41,11 +50,14 @@ class Model:
         providers: list[str] | None = None,
     ) -> None:
         self.path = path
-        self.manifest = manifest
-        self.cache_spec = _with_overrides(CacheSpec.from_json(manifest["cache"]), kv_capacity, prefill_compress)
+        self.manifest = manifest = upgrade_manifest(manifest)
+        spec = CacheSpec.from_json(manifest["cache"])
+        self.cache_spec = _with_overrides(spec, kv_capacity=kv_capacity, prefill_compress=prefill_compress)
         self.context = int(manifest["model"]["context"])
         self.vocab_size = int(manifest["model"]["vocab_size"])
-        self.prefill_chunk = int(manifest["build_settings"]["prefill_chunk"])
+        run = manifest["runtime"]
+        self.prefill_chunk = int(run["prefill_chunk"])
+        self.default_protect = run.get("protect")
         self.eos_token_ids = set(manifest["generation"]["eos_token_ids"])
         chat = manifest["tokenizer"].get("chat_format")
         self.tokenizer = BundleTokenizer(
@@ -53,7 +65,29 @@ class Model:
             ChatFormat.from_json(chat) if chat else None,
             manifest["tokenizer"].get("chat_note", ""),
         )
-        self._step = _backend(path, manifest, self.cache_spec, self.vocab_size, threads, providers)
+        self._backend = _backend(path, manifest, self.cache_spec, self.vocab_size, threads, providers)
+        self.cache_spec = self._backend.spec  # a format-v1 bundle's spec, narrowed to what its graph carries
+        # one cache state per running generation; idle ones are kept for the next (their buffers are reused)
+        self._idle: list[CacheState] = []
+        self._lock = threading.Lock()
+
+    @property
+    def providers(self) -> list[str]:
+        """What runs the graph here (ONNX Runtime's execution providers, or TensorRT-RTX)."""
+        return self._backend.providers
+
+    @contextlib.contextmanager
+    def _state(self) -> Iterator[CacheState]:
+        """A cache state no other generation is using, returned to the pool afterwards."""
+        with self._lock:
+            state = self._idle.pop() if self._idle else None
+        if state is None:
+            state = self._backend.open_state()
+        try:
+            yield state
+        finally:
+            with self._lock:
+                self._idle.append(state)
 
     @classmethod
     def load(
@@ -133,28 +167,30 @@ class Model:
         first = length % size or size
         return [(0, first)] + [(start, start + size) for start in range(first, length, size)]
 
-    def _prefill(self, ids: np.ndarray, all_logits: bool, flags: np.ndarray | None = None, reduce=None) -> np.ndarray:
+    def _prefill(
+        self, state: CacheState, ids: np.ndarray, all_logits: bool, flags: np.ndarray | None = None, reduce=None
+    ) -> np.ndarray:
         """Feed the prompt in chunks through the real cache path; logits of the last (or every) position.
         ``flags``: per prompt token, never evict it (compressed caches). ``reduce(start, logits)`` turns each
         chunk's logits into something smaller as they come (a long text's logits would not fit in memory)."""
-        self._step.reset()
-        self._step.begin_prompt(len(ids))
+        state.reset()
+        state.begin_prompt(len(ids))
         pieces = []
         start = 0
         for start, end in self._chunks(len(ids)):
             chunk_flags = None if flags is None else flags[start:end]
-            logits = self._step.run(ids[start:end], start, last_only=not all_logits, protect=chunk_flags)
+            logits = state.run(ids[start:end], start, last_only=not all_logits, protect=chunk_flags)
             if reduce is not None:
                 pieces.append(reduce(start, logits))
             elif all_logits or end == len(ids):
                 pieces.append(logits.copy() if end - start == 1 else logits)  # a one-token result is a reused buffer
-        self._step.end_prompt(len(ids) - 1, last_chunk_start=start)
+        state.end_prompt(len(ids) - 1, last_chunk_start=start)
         return np.concatenate(pieces) if all_logits else pieces[-1]
 
     def _protect_flags(self, protect: Protect, ids: np.ndarray) -> np.ndarray | None:
         compression = self.cache_spec.compression
         if protect is None:
-            protect = self.manifest["build_settings"].get("protect")
+            protect = self.default_protect
         if compression is None or protect is None:
             return None
         return protect_flags(protect, ids, self.tokenizer.token_strings, compression.max_protected)
@@ -172,16 +208,16 @@ class Model:
         if len(continuation_ids) == 0 or len(context_ids) + len(continuation_ids) > self.context:
             raise GenerationError(f"need 1 to {self.context - len(context_ids)} continuation tokens")
         flags = self._protect_flags(protect, context_ids)
-        first = self._prefill(context_ids, all_logits=False, flags=flags)[-1].copy()
-        rows = [first]
-        position = len(context_ids)
         size = self.prefill_chunk
         if self.cache_spec.compression:
             size = min(size, self.cache_spec.compression.capacity)
-        for start in range(0, len(continuation_ids) - 1, size):
-            piece = continuation_ids[start : min(start + size, len(continuation_ids) - 1)]
-            rows.append(self._step.run(piece, position, last_only=False).copy())
-            position += len(piece)
+        with self._state() as state:
+            rows = [self._prefill(state, context_ids, all_logits=False, flags=flags)[-1].copy()]
+            position = len(context_ids)
+            for start in range(0, len(continuation_ids) - 1, size):
+                piece = continuation_ids[start : min(start + size, len(continuation_ids) - 1)]
+                rows.append(state.run(piece, position, last_only=False).copy())
+                position += len(piece)
         logits = np.concatenate([row.reshape(-1, row.shape[-1]) for row in rows])
         scores = _log_softmax_at(logits, continuation_ids)
         return (scores, logits.argmax(axis=-1)) if with_top1 else scores
@@ -189,7 +225,9 @@ class Model:
     def next_token_logits(self, prompt: Prompt, protect: Protect = None) -> np.ndarray:
         """Logits [vocab] for the token after ``prompt`` (text or ids), through the same path as ``generate``."""
         ids = self._prompt_ids(prompt, None, False)
-        return self._prefill(ids, all_logits=False, flags=self._protect_flags(protect, ids))[-1]
+        flags = self._protect_flags(protect, ids)
+        with self._state() as state:
+            return self._prefill(state, ids, all_logits=False, flags=flags)[-1].copy()
 
     def logprobs(self, token_ids: Sequence[int], protect: Protect = None) -> np.ndarray:
         """log P(token_ids[i+1] | token_ids[:i+1]) for each i, as the runtime computes it (float64, length n-1).
@@ -205,7 +243,8 @@ class Model:
         def chunk_logprobs(start: int, logits: np.ndarray) -> np.ndarray:
             return _log_softmax_at(logits, targets[start : start + len(logits)])
 
-        return self._prefill(ids, all_logits=True, flags=flags, reduce=chunk_logprobs)[:-1]
+        with self._state() as state:
+            return self._prefill(state, ids, all_logits=True, flags=flags, reduce=chunk_logprobs)[:-1]
 
     def generate_ids(
         self,
@@ -232,17 +271,18 @@ class Model:
         if max_new_tokens == 0:
             return
         rng = np.random.default_rng(seed)
-        logits = self._prefill(ids, all_logits=False, flags=flags)[-1]
-        position = len(ids)
-        step = np.empty(1, np.int64)
-        for produced in range(max_new_tokens):
-            token = choose_token(logits, temperature, top_k, top_p, rng)
-            yield token
-            if token in self.eos_token_ids or produced + 1 == max_new_tokens or position >= self.context:
-                return
-            step[0] = token
-            logits = self._step.run(step, position, last_only=True)[-1]
-            position += 1
+        with self._state() as state:  # held until the generator is exhausted or closed
+            logits = self._prefill(state, ids, all_logits=False, flags=flags)[-1]
+            position = len(ids)
+            step = np.empty(1, np.int64)
+            for produced in range(max_new_tokens):
+                token = choose_token(logits, temperature, top_k, top_p, rng)
+                yield token
+                if token in self.eos_token_ids or produced + 1 == max_new_tokens or position >= self.context:
+                    return
+                step[0] = token
+                logits = state.run(step, position, last_only=True)[-1]
+                position += 1
 
     def generate(
         self,
@@ -289,28 +329,20 @@ def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return picked - peak[:, 0].astype(np.float64) - np.log(total)
 
 
-def _with_overrides(spec: CacheSpec, capacity: int | None, prefill_compress: str | None) -> CacheSpec:
-    if capacity is None and prefill_compress is None:
+def _with_overrides(spec: CacheSpec, **overrides: Any) -> CacheSpec:
+    """The bundle's cache with the settings ``Model.load`` may change (keyword names as ``--kv-*`` flags:
+    ``kv_capacity``, ``prefill_compress``; ``Compression.override`` says which may change and checks them)."""
+    changes = {Compression.parameters()[key]: value for key, value in overrides.items() if value is not None}
+    if not changes:
         return spec
-    compression = spec.compression
-    if compression is None:
+    if spec.compression is None:
         raise BundleError("kv_capacity/prefill_compress apply to a compressed cache; this bundle has none (--kv-*)")
-    if prefill_compress is not None:
-        if prefill_compress not in PREFILL_MODES:
-            raise GenerationError(
-                f"prefill_compress must be one of {', '.join(PREFILL_MODES)}, not {prefill_compress!r}"
-            )
-        compression = dataclasses.replace(compression, prefill_compress=prefill_compress)
-    capacity = capacity or compression.capacity
-    if capacity < compression.sink + compression.window + 1:
-        raise GenerationError(
-            f"kv_capacity {capacity} must exceed the sinks + recent window ({compression.sink} + {compression.window})"
-        )
-    compression = dataclasses.replace(compression, capacity=capacity)
-    layers = tuple(
-        dataclasses.replace(layer, capacity=capacity) if layer.compressed else layer for layer in spec.layers
-    )
-    return dataclasses.replace(spec, layers=layers, compression=compression)
+    head_dim = next(layer.head_dim for layer in spec.layers if layer.compressed)
+    try:
+        compression = spec.compression.override(head_dim, **changes)
+    except BuildSettingsError as error:
+        raise GenerationError(str(error)) from None
+    return dataclasses.replace(spec.with_capacity(compression.capacity), compression=compression)
 
 
 # the extra to install for each ONNX Runtime execution provider a bundle may name
@@ -328,21 +360,23 @@ def _backend(
     vocab_size: int,
     threads: int | None,
     providers: list[str] | None = None,
-):
+) -> Backend:
     """The backend the manifest names; a missing library or provider is an error naming the extra — never a
     silent fallback to another device. ``providers`` (an explicit override) replaces the manifest's."""
     runtime = manifest["runtime"]
+    exact = manifest["format_version"] >= 2
     if runtime["library"] == "tensorrt_rtx":
-        from edgec.runtime.backend_trt import TrtStep
+        if not exact:
+            raise BundleError(f"{path} is a format-v1 TensorRT-RTX bundle, which never loaded: rebuild it")
+        from edgec.runtime.backend_trt import TrtBackend
 
-        max_tokens = runtime.get("max_tokens_per_step", manifest["build_settings"]["prefill_chunk"])
-        return TrtStep(path / runtime["engine"], spec, vocab_size, max_tokens)
+        return TrtBackend(path / runtime["engine"], spec, vocab_size, int(runtime["prefill_chunk"]))
     try:
         import onnxruntime
     except ImportError:
         raise BundleError(f"this bundle runs on ONNX Runtime: {install_hint(runtime)}") from None
 
-    from edgec.runtime.backend_ort import open_step
+    from edgec.runtime.backend_ort import open_backend
 
     providers = providers or runtime.get("providers") or ["CPUExecutionProvider"]
     missing = [p for p in providers if p not in onnxruntime.get_available_providers()]
@@ -351,7 +385,16 @@ def _backend(
             f"this bundle needs ONNX Runtime's {missing[0]}, which is not installed here: "
             f"{install_hint({'providers': missing})} (on a machine with that device)"
         )
-    return open_step(path, manifest["model"], spec, providers, runtime.get("provider_options"), threads)
+    return open_backend(
+        path,
+        manifest["model"],
+        spec,
+        int(runtime["prefill_chunk"]),
+        providers,
+        runtime.get("provider_options"),
+        threads,
+        exact,
+    )
 
 
 def install_hint(runtime: dict[str, Any]) -> str:
