@@ -190,9 +190,14 @@ def check_fits(shape, target: Target, context: int, prefill_chunk: int, weights:
 
 
 def build(
-    model_path: str | Path, output: str | Path, settings: BuildSettings, progress: Progress | None = None
+    model_path: str | Path,
+    output: str | Path,
+    settings: BuildSettings,
+    progress: Progress | None = None,
+    seal: Callable[[Path], None] | None = None,
 ) -> BuildResult:
-    """Compile ``model_path`` for ``settings.target`` into the bundle folder ``output``."""
+    """Compile ``model_path`` for ``settings.target`` into the bundle folder ``output``. ``seal`` runs on the
+    finished bundle before it is renamed into place (``edgec build --sign``: write its signature)."""
     progress = progress or (lambda stage, done=None, total=None: None)
     target = _check_settings(settings)
     output = Path(output)
@@ -222,7 +227,7 @@ def build(
     names, options, weights = pass_plan(target, settings, compression)
     kv = compression.dtype if compression else ("fp16" if "float16" in names else "fp32")
     check_fits(shape, target, context, prefill_chunk, weights, kv, compression.capacity if compression else context)
-    with atomic_folder(output, settings.overwrite) as folder:
+    with atomic_folder(output, settings.overwrite, seal=seal) as folder:
         return _build_into(Path(model_path), folder, target, settings, context, (names, options, weights), progress)
 
 
