@@ -223,9 +223,9 @@ def unpack(archive: str | Path, output: str | Path, trust: Any = None) -> Path:
             signed_by = _check_pack_signature(tar, members, info, trust, archive)
         _check_member_set(members, info, archive)
         needed = sum(member.size for member in members.values())
-        if needed > shutil.disk_usage(Path(os.path.abspath(output)).parent).free:
-            raise BundleError(f"unpacking {archive} needs {needed:,} bytes; {output.parent} has less free space")
         with atomic_folder(output) as temporary:
+            if needed > shutil.disk_usage(temporary).free:
+                raise BundleError(f"unpacking {archive} needs {needed:,} bytes; {output.parent} has less free space")
             for name, member in sorted(members.items()):
                 _extract(tar, member, temporary / name, info["files"].get(name), archive, signed_by)
             bundle = temporary / info["bundle"]
