@@ -108,6 +108,51 @@ def check_model_features(config: dict[str, Any]) -> None:
         )
 
 
+# The numbers of a model config that edgec computes with (the planner, the cache layout), with their bounds: a
+# config.json or GGUF from anywhere may hold a string, a zero or a negative number where a count belongs.
+# (required?, lowest, highest); an optional key may be absent or null.
+CONFIG_NUMBERS: dict[str, tuple[bool, int, int]] = {
+    "num_hidden_layers": (True, 1, 1_024),
+    "hidden_size": (True, 1, 2**20),
+    "intermediate_size": (True, 1, 2**22),
+    "num_attention_heads": (True, 1, 4_096),
+    "vocab_size": (True, 1, 2**22),
+    "num_key_value_heads": (False, 1, 4_096),
+    "head_dim": (False, 1, 4_096),
+    "max_position_embeddings": (False, 0, 2**24),  # 0: not stated (a GGUF without context_length)
+    "sliding_window": (False, 0, 2**24),
+    "sliding_window_pattern": (False, 1, 1_024),
+}
+
+
+def check_config_values(config: Any, where: str) -> None:
+    """One clear line for the first number in a model config that edgec cannot compute with."""
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{where} must be a JSON object, not {type(config).__name__}")
+    for key, (required, low, high) in CONFIG_NUMBERS.items():
+        value = config.get(key)
+        if value is None:
+            if required:
+                raise ModelLoadError(f"{where} has no {key}; it is not a usable decoder config")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ModelLoadError(f"{where}: {key} is {value!r:.40}, but must be a whole number in [{low}, {high:,}]")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
+    if not config.get("head_dim") and config["hidden_size"] % heads:
+        raise ModelLoadError(f"{where}: hidden_size {config['hidden_size']} is not a multiple of {heads} heads")
+    layer_types = config.get("layer_types")
+    if layer_types is not None and not (
+        isinstance(layer_types, list)
+        and len(layer_types) == config["num_hidden_layers"]
+        and all(isinstance(kind, str) for kind in layer_types)
+    ):
+        raise ModelLoadError(f"{where}: layer_types must list one string per layer")
+
+
 def inspect_source(path: str | Path, allow_pickle: bool = False) -> dict[str, Any]:
     """Validate a model path without loading weights; returns what kind of source it is."""
     path = Path(path)
@@ -147,7 +192,10 @@ def _inspect_folder(path: Path, allow_pickle: bool) -> dict[str, Any]:
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ModelLoadError(f"{config_path} is not valid JSON: {error}") from None
-    check_model_type(config.get("model_type"), config.get("architectures"))
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_path} must be a JSON object, not {type(config).__name__}")
+    architectures = config.get("architectures")
+    check_model_type(config.get("model_type"), architectures if isinstance(architectures, list) else None)
     check_model_features(config)
     safetensors_files = sorted(path.glob("*.safetensors"))
     pickle_files = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt")) + sorted(path.glob("*.pth"))
@@ -179,10 +227,14 @@ def _check_safetensors(path: Path) -> None:
             if header_len <= 0 or 8 + header_len > size:
                 raise ValueError("header length out of range")
             header = json.loads(handle.read(header_len))
+        if not isinstance(header, dict):
+            raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
         end = max((meta["data_offsets"][1] for name, meta in header.items() if name != "__metadata__"), default=0)
+        if not isinstance(end, int):
+            raise ValueError("a tensor's data_offsets are not whole numbers")
         if 8 + header_len + end != size:
             raise ValueError(f"data ends at byte {8 + header_len + end} but the file has {size}")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError, RecursionError) as error:
         raise ModelLoadError(
             f"{path.name} is not a valid safetensors file ({error}); re-download or re-save it"
         ) from None

@@ -50,6 +50,9 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str) -> ModelShape:
+        from edgec.load import check_config_values
+
+        check_config_values(config, f"the config of {name}")
         heads = config["num_attention_heads"]
         return cls(
             windows=_layer_windows(config),
