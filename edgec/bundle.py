@@ -219,7 +219,9 @@ def verify_hashes(folder: str | Path, manifest: dict[str, Any]) -> list[str]:
     return [name for name, entry in manifest["files"].items() if sha256_file(folder / name) != entry["sha256"]]
 
 
-TrustedKeys = Any  # a public key file, a key object, or a sequence of them (edgec.signing.load_public_keys)
+# trust=: a public key file (str or path), a cryptography Ed25519PublicKey, or a sequence of them
+# (edgec.signing.load_public_keys); Any because the key class comes from a package the runtime imports lazily
+TrustedKeys = Any
 
 
 def open_bundle(folder: str | Path, check_hashes: bool = False, trust: TrustedKeys | None = None) -> dict[str, Any]:
@@ -359,12 +361,12 @@ def atomic_folder(
     an existing edgec bundle or empty folder, never anything else; one writer per destination at a time."""
     destination = _absolute(destination)
     with output_lock(destination):
-        if os.path.lexists(destination):
-            if not overwrite:
-                raise BundleError(f"{destination} already exists; choose another -o or pass --overwrite")
-            _check_replaceable(destination)
-        _remove_stale(destination)
         try:
+            if os.path.lexists(destination):
+                if not overwrite:
+                    raise BundleError(f"{destination} already exists; choose another -o or pass --overwrite")
+                _check_replaceable(destination)
+            _remove_stale(destination)
             temporary = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
         except OSError as error:
             raise BundleError(f"cannot write in {destination.parent}: {error.strerror or error}") from None
@@ -393,7 +395,11 @@ def _move_into_place(temporary: Path, destination: Path) -> None:
         return
     aside = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=destination.parent))
     os.replace(destination, aside / "bundle")
-    os.replace(temporary, destination)
+    try:
+        os.replace(temporary, destination)
+    except OSError:
+        os.replace(aside / "bundle", destination)  # the old bundle goes back: a failed write changes nothing
+        raise
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -405,8 +411,8 @@ def atomic_file(destination: str | Path) -> Iterator[Path]:
     with output_lock(destination):
         if os.path.isdir(destination) or os.path.islink(destination):
             raise BundleError(f"{destination} is a folder or a link; give a file name for the archive")
-        _remove_stale(destination)
         try:
+            _remove_stale(destination)
             handle, name = tempfile.mkstemp(prefix=f".{destination.name}.tmp-", dir=destination.parent)
         except OSError as error:
             raise BundleError(f"cannot write in {destination.parent}: {error.strerror or error}") from None

@@ -142,14 +142,15 @@ BOUNDS: dict[str, tuple[float, float]] = {
 MAX_STATE_BYTES = 2**40
 MAX_LOGITS = 2**31  # prefill_chunk × vocab_size logits of one step
 
-# Strings with a fixed vocabulary (the runtime looks them up: anything else would fail deep inside it)
-CHOICES: dict[str, tuple[str, ...]] = {
+# Strings with a fixed vocabulary (the runtime looks them up: anything else would fail deep inside it): the
+# allowed values, or a pattern the whole string must match
+CHOICES: dict[str, tuple[str, ...] | re.Pattern[str]] = {
     "runtime.library": ("onnxruntime", "tensorrt_rtx"),
     "target.device": ("cpu", "gpu", "npu"),
     "cache.dtype": ("float32", "float16"),
     "cache.compression.dtype": ("fp32", "fp16", "int8", "fp8", "int4"),
     "cache.compression.prefill_compress": ("end", "chunk"),
-    "build_settings.protect": ("numbers", "names", "numbers,names", "names,numbers"),
+    "build_settings.protect": re.compile(r" *(numbers|names) *(, *(numbers|names) *)?"),  # runtime/protect.py
 }
 # Fields that name a file of the bundle: each must be a plain relative path listed in ``files``
 PATH_FIELDS = ("model.file", "model.decode_file", "tokenizer.file", "runtime.engine")
@@ -301,7 +302,10 @@ def choice_errors(manifest: dict[str, Any]) -> list[str]:
     errors = []
     for path, allowed in CHOICES.items():
         for where, value in values_at(manifest, path):
-            if value not in allowed:
+            if isinstance(allowed, re.Pattern):
+                if not (isinstance(value, str) and allowed.fullmatch(value)):
+                    errors.append(f"{where} is {show(value)}; it must match {allowed.pattern}")
+            elif value not in allowed:
                 errors.append(f"{where} is {show(value)}; it must be one of {', '.join(allowed)}")
     return errors
 

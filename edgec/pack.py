@@ -214,6 +214,8 @@ def unpack(archive: str | Path, output: str | Path, trust: Any = None) -> Path:
     its size and sha256, then the bundle's own checks. With ``trust`` (public key file(s)), PACK.sig and the
     bundle's signature must be by a trusted key. Returns the bundle's path."""
     archive, output = Path(archive), Path(output)
+    if os.path.lexists(output):
+        raise BundleError(f"{output} already exists; choose another -o")
     tar = _open_archive(archive)
     with tar:
         members = _members(tar, archive)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgec.bundle import MANIFEST, SIGNATURE, read_json
+from edgec.bundle import MANIFEST, SIGNATURE, read_json, source_date_epoch
 from edgec.errors import BundleError, KeyFileError, SignatureError
 from edgec.manifest_schema import Closed, schema_errors, show
 
@@ -234,6 +234,8 @@ def sign_bundle(folder: str | Path, key: SigningKey) -> Path:
     record = sign_document(manifest, key, "bundle")
     temporary = folder / f".{SIGNATURE}.tmp"
     temporary.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    if (epoch := source_date_epoch()) is not None:  # reproducible like the rest of the bundle (Ed25519 is too)
+        os.utime(temporary, (epoch, epoch))
     os.replace(temporary, folder / SIGNATURE)
     return folder / SIGNATURE
 

@@ -159,3 +159,10 @@ def test_an_output_folder_edgec_cannot_write_is_one_line(tiny_bundle, tiny_llama
     archive = tmp_path / "p.tar"
     assert invoke("pack", tiny_bundle, "-o", archive).exit_code == 0
     assert "cannot write in" in one_error_line(invoke("unpack", archive, "-o", f"{folder}/site"))
+
+
+def test_pack_removes_what_a_killed_pack_left(tiny_bundle, tmp_path):
+    stale = tmp_path / ".p.tar.tmp-abc123"
+    stale.write_bytes(b"half an archive")
+    assert invoke("pack", tiny_bundle, "-o", tmp_path / "p.tar").exit_code == 0
+    assert sorted(os.listdir(tmp_path)) == ["p.tar"]

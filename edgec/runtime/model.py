@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from edgec.bundle import open_bundle
+from edgec.bundle import TrustedKeys, open_bundle
 from edgec.errors import BundleError, GenerationError, one_line
 from edgec.kvcache.compression import PREFILL_MODES
 from edgec.kvcache.spec import CacheSpec
@@ -67,7 +67,7 @@ class Model:
         kv_capacity: int | None = None,
         prefill_compress: str | None = None,
         providers: list[str] | None = None,
-        trust: Any = None,
+        trust: TrustedKeys | None = None,
     ) -> Model:
         """Open a bundle folder. Always checked first: the manifest's schema and bounds, every listed file present
         as a regular file inside the bundle with its size, every path the manifest or the graph names is one of
