@@ -129,6 +129,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "tokenizer.chat_format.user#": (2, 2),
     "tokenizer.chat_format.assistant#": (2, 2),
     "generation.eos_token_ids#": (0, 256),
+    # not bounded by vocab_size: a config may name an EOS the vocabulary lacks (the runtime only compares with it)
     "generation.eos_token_ids[]": (0, 2**22 - 1),
     "generation.bos_token_id": (0, 2**22 - 1),
     "validation.prompts": (0, 64),
@@ -322,9 +323,6 @@ def relation_errors(manifest: dict[str, Any]) -> list[str]:
         errors.append("model.decode_file and model.static_tokens go together (a static-shape bundle has both)")
     if model["vocab_size"] * settings["prefill_chunk"] > MAX_LOGITS:
         errors.append(f"model.vocab_size × build_settings.prefill_chunk exceeds {MAX_LOGITS:,} logits per step")
-    ids = [*manifest["generation"]["eos_token_ids"], manifest["generation"]["bos_token_id"]]
-    if any(token is not None and token >= model["vocab_size"] for token in ids):
-        errors.append(f"generation names a token id outside the vocabulary ({model['vocab_size']})")
     layers = cache["layers"]
     if len(layers) != model["num_layers"]:
         errors.append(f"cache.layers has {len(layers)} layers, model.num_layers says {model['num_layers']}")

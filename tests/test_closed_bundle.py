@@ -257,7 +257,7 @@ def test_every_target_provider_option_is_allowed(tiny_bundle):
         (("model", "num_layers"), 3, "model.num_layers says 3"),
         (("cache", "layers"), [], "its length"),
         (("model", "vocab_size"), 100, "logits"),
-        (("generation", "eos_token_ids"), [10**6], "outside the vocabulary"),
+        (("generation", "eos_token_ids"), [2**40], "eos_token_ids[0]"),
         (("generation", "eos_token_ids"), [{"a": 1}], "must be int"),
         (("validation", "prompts"), 10**9, "prompts"),
         (("target", "usable_fraction"), 3.5, "usable_fraction"),
