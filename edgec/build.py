@@ -183,9 +183,14 @@ def check_fits(plan: Plan, kv_dtype: str) -> None:
 
 
 def build(
-    model_path: str | Path, output: str | Path, settings: BuildSettings, progress: Progress | None = None
+    model_path: str | Path,
+    output: str | Path,
+    settings: BuildSettings,
+    progress: Progress | None = None,
+    seal: Callable[[Path], None] | None = None,
 ) -> BuildResult:
-    """Compile ``model_path`` for ``settings.target`` into the bundle folder ``output``."""
+    """Compile ``model_path`` for ``settings.target`` into the bundle folder ``output``. ``seal`` runs on the
+    finished bundle before it is renamed into place (``edgec build --sign``: write its signature)."""
     progress = progress or (lambda stage, done=None, total=None: None)
     load_target(settings.target)  # an unknown target is the first thing to say
     output = Path(output)
@@ -194,7 +199,7 @@ def build(
     # fail fast, from the config alone, before the output folder is touched or weights are read
     source = inspect_source(model_path, settings.allow_pickle)
     plan = plan_build(settings, source["shape"], source["shape"].max_context)
-    with atomic_folder(output, settings.overwrite) as folder:
+    with atomic_folder(output, settings.overwrite, seal=seal) as folder:
         return _build_into(Path(model_path), folder, settings, plan, progress)
 
 

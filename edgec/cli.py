@@ -3,27 +3,63 @@
 from __future__ import annotations
 
 import sys
-from collections import Counter
 from pathlib import Path
 
-import click
+from edgec.errors import EdgecError, one_line
 
-from edgec.errors import EdgecError
-from edgec.kvcache.compression import Compression
+try:
+    import click
+except ModuleNotFoundError as missing:  # a runtime-only install (pip install 'edgec[runtime]') has no click
+    print(
+        f"error: the edgec command needs {missing.name}, which comes with the compiler: pip install 'edgec[build]' "
+        '(a runtime-only machine runs bundles with: python -m edgec.runtime BUNDLE "PROMPT")',
+        file=sys.stderr,
+    )
+    raise SystemExit(2) from None
+
+# what the compiler's commands import beyond the runtime (the build extra): missing, they are named, not traced
+BUILD_MODULES = (
+    "rich",
+    "torch",
+    "transformers",
+    "onnx",
+    "onnx_ir",
+    "onnxscript",
+    "gguf",
+    "accelerate",
+    "safetensors",
+    "sentencepiece",
+    "jinja2",
+    "ml_dtypes",
+    "cryptography",
+)
+
+from edgec.kvcache.compression import Compression  # noqa: E402  (numpy only; after the click check)
 
 
 class _Group(click.Group):
-    """Turns any EdgecError, and any bad option or argument, into one line on stderr and exit code 2."""
+    """Turns any EdgecError, any bad option or argument, and a build-only module missing from a runtime-only
+    install into one line on stderr and exit code 2."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except EdgecError as error:
-            click.echo(f"error: {error}", err=True)
+            click.echo(f"error: {one_line(error, 2000)}", err=True)
+            sys.exit(2)
+        except ModuleNotFoundError as missing:
+            if (missing.name or "").split(".")[0] not in BUILD_MODULES:
+                raise
+            command = ctx.invoked_subcommand or "this command"
+            click.echo(
+                f"error: edgec {command} needs {missing.name}, which comes with the compiler: "
+                "pip install 'edgec[build]'",
+                err=True,
+            )
             sys.exit(2)
         except click.UsageError as error:
             command = f" (see edgec {error.ctx.info_name} --help)" if error.ctx is not None else ""
-            click.echo(f"error: {error.format_message()}{command}", err=True)
+            click.echo(f"error: {one_line(error.format_message(), 2000)}{command}", err=True)
             sys.exit(2)
 
 
@@ -103,7 +139,14 @@ def kv_options(command=None, *, at_load: bool = False):
     help="int4: matmulnbits (ONNX Runtime's kernel) or qdq (standard DequantizeLinear + MatMul) [default: target's].",
 )
 @click.option("--allow-pickle", is_flag=True, help="Accept pickle (*.bin) weights; pickle can run arbitrary code.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing bundle at -o.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing bundle (or empty folder) at -o.")
+@click.option(
+    "--sign",
+    "sign_key",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Sign the bundle with this private key (edgec keygen); loaders check it with the public key.",
+)
 def build(
     model,
     target,
@@ -121,6 +164,7 @@ def build(
     int4_form,
     allow_pickle,
     overwrite,
+    sign_key,
     **kv_flags,
 ) -> None:
     """Build a bundle from a Hugging Face folder or a .gguf file.
@@ -128,6 +172,7 @@ def build(
     \b
     Example:
       edgec build ./SmolLM2-135M-Instruct.Q4_1.gguf --target cpu -o smol.cpu.edgec --context 4096
+      edgec build ./SmolLM2-135M-Instruct.Q4_1.gguf -o smol.cpu.edgec --sign release.key
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -151,6 +196,15 @@ def build(
         allow_pickle=allow_pickle,
         overwrite=overwrite,
     )
+    key = seal = None
+    if sign_key is not None:  # read the key before the build: a wrong passphrase should not cost a build
+        from edgec.signing import load_signing_key, sign_bundle
+
+        key = load_signing_key(sign_key)
+
+        def seal(folder: Path) -> None:
+            sign_bundle(folder, key)
+
     columns = (
         TextColumn("{task.description:<10}"),
         BarColumn(),
@@ -170,12 +224,12 @@ def build(
                 steps[stage] = progress.add_task(stage, total=total)
             progress.update(steps[stage], completed=done, total=total)
 
-        result = run_build(model, output, settings, progress=advance)
+        result = run_build(model, output, settings, progress=advance, seal=seal)
         progress.update(task, description="done", completed=len(STAGES))
     validation = result.manifest["validation"]
     click.echo(
         f"wrote {output} (validation: top-1 agreement {validation['top1_agreement']:.0%}, "
-        f"max |Δlogit| {validation['max_abs_logit_error']:.2e})"
+        f"max |Δlogit| {validation['max_abs_logit_error']:.2e})" + (f", signed by key {key.key_id}" if key else "")
     )
     click.echo("time: " + ", ".join(f"{stage[:-2]} {seconds:.1f} s" for stage, seconds in result.timings.items()))
 
@@ -280,17 +334,19 @@ def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk):
 @click.option("--seed", type=int, default=None)
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat format.")
 @click.option("--protect", default=None, help="Compressed cache: never evict these prompt tokens (numbers,names).")
+@click.option("--trust", multiple=True, type=click.Path(path_type=Path), help="Run only if signed by this public key.")
 @kv_options(at_load=True)
-def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, protect, **kv_flags) -> None:
+def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, protect, trust, **kv_flags) -> None:
     """Generate text from a bundle, streaming to the terminal.
 
     \b
     Example:
       edgec run smol.cpu.edgec "Explain KV caches in one sentence." --chat
+      edgec run smol.cpu.edgec "Hello" --trust release.pub
     """
     from edgec.runtime import Model
 
-    model = Model.load(bundle, **kv_flags)
+    model = Model.load(bundle, trust=list(trust) or None, **kv_flags)
     pieces = model.generate(
         prompt,
         protect=protect,
@@ -303,8 +359,14 @@ def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, p
         stream=True,
     )
     for piece in pieces:
-        click.echo(piece, nl=False)
+        click.echo(terminal_text(piece), nl=False)
     click.echo()
+
+
+def terminal_text(text: str) -> str:
+    """Generated text for a terminal: a bundle's tokenizer may emit escape sequences that drive the terminal, so
+    control characters other than newline, tab and carriage return are shown escaped."""
+    return "".join(char if char.isprintable() or char in "\n\t\r" else repr(char)[1:-1] for char in text)
 
 
 @main.command()
@@ -318,84 +380,107 @@ def inspect(bundle) -> None:
     """
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from edgec.bundle import read_manifest, upgrade_manifest
+    from edgec.onnx_scan import OnnxFormatError, scan
+    from edgec.signing import bundle_signer
 
     manifest = upgrade_manifest(read_manifest(bundle))
-    console = Console()
     # build_settings is a record of the build (shown, never relied on); the rest is what the runtime reads
+    console = Console(highlight=False)
+
+    def say(text: str) -> None:  # every string from the manifest is data: no markup, control characters escaped
+        console.print(Text(one_line(text, 2000)))
+
     source, cache, settings = manifest["source"], manifest["cache"], manifest["build_settings"]
-    console.print(f"[bold]{bundle}[/bold]  format v{manifest['format_version']}, edgec {manifest['edgec_version']}")
-    console.print(f"source: {source['name']} ({source['model_type']}, {source['kind']})")
-    console.print(f"target: {manifest['target']['name']} ({manifest['target']['runtime']})")
+    console.print(Text(one_line(bundle), style="bold"), end="")
+    say(f"  format v{manifest['format_version']}, edgec {manifest['edgec_version']}")
+    say(f"source: {source['name']} ({source['model_type']}, {source['kind']})")
+    say(f"target: {manifest['target']['name']} ({manifest['target']['runtime']})")
+    signer = bundle_signer(Path(bundle))
+    say(
+        f"signature: signed by key {signer} (not checked here: edgec verify --trust PUBKEY)"
+        if signer
+        else "signature: none"
+    )
     runtime = manifest["runtime"]
     if runtime.get("engine"):
         size = manifest["files"][runtime["engine"]]["size"]
-        console.print(
+        say(
             f"engine: {runtime['engine']} ({size / 2**20:,.1f} MiB), {runtime['library']} "
-            f"{runtime['version']}, compute capability {runtime['compute_capability']}, "
-            f"≤ {runtime['max_tokens_per_step']} tokens per step; rebuildable from {manifest['model']['file']}"
+            f"{runtime.get('version')}, compute capability {runtime.get('compute_capability')}, "
+            f"≤ {runtime.get('max_tokens_per_step')} tokens per step; rebuildable from {manifest['model']['file']}"
         )
-    console.print(
+    say(
         f"context: {manifest['model']['context']} tokens, prefill chunk {runtime['prefill_chunk']}, "
         f"weights {settings.get('weights', 'fp32')}"
     )
     if settings.get("weights") == "int4":
-        console.print(
-            f"int4: block {settings['block_size']}, {'symmetric' if settings['symmetric'] else 'zero point'}, "
-            f"accuracy level {settings['accuracy_level']}, embedding {settings.get('embedding_bits', 8)} bits, "
+        say(
+            f"int4: block {settings.get('block_size')}, {'symmetric' if settings.get('symmetric') else 'zero point'}, "
+            f"accuracy level {settings.get('accuracy_level')}, embedding {settings.get('embedding_bits', 8)} bits, "
             f"method {settings.get('quant_method', 'rtn')}, form {settings.get('int4_form') or 'the target default'}"
             + (f" (calibration text {settings['calib']})" if settings.get("calib") else "")
         )
-    console.print(
+    say(
         f"cache: {cache['dtype']}, {len(cache['layers'])} layers, {cache['bytes_per_token']:,} bytes/token, "
         f"{cache['total_bytes'] / 2**20:,.1f} MiB at full capacity"
     )
     if compression := cache.get("compression"):
         compressed = sum(1 for layer in cache["layers"] if layer.get("compressed"))
-        console.print(
+        say(
             f"compressed cache: {compressed} of {len(cache['layers'])} layers, {compression['capacity']} slots, "
             f"policy {compression['policy']}, {compression['dtype']} (group {compression['group']}), "
             f"sink {compression['sink']}, window {compression['window']}, prefill-compress "
-            f"{compression['prefill_compress']}; k+v {cache['kv_bytes_per_token']:,.0f} bytes/token"
+            f"{compression['prefill_compress']}; k+v {cache.get('kv_bytes_per_token', 0):,.0f} bytes/token"
         )
     if cache.get("ring_kv_bytes"):
         rings = sum(1 for layer in cache["layers"] if layer.get("window") and not layer.get("compressed"))
-        console.print(f"sliding-window rings: {rings} layers, {cache['ring_kv_bytes'] / 2**20:,.1f} MiB k+v (fixed)")
+        say(f"sliding-window rings: {rings} layers, {cache['ring_kv_bytes'] / 2**20:,.1f} MiB k+v (fixed)")
     validation = manifest["validation"]
-    console.print(
+    say(
         f"validation: top-1 agreement {validation['top1_agreement']:.0%}, "
         f"max |Δlogit| {validation['max_abs_logit_error']:.2e} on {validation['prompts']} prompts"
     )
-    console.print(
-        f"chat: {'yes' if manifest['tokenizer']['chat_format'] else 'no'} ({manifest['tokenizer']['chat_note']})"
-    )
-    ops = _op_histogram(Path(bundle) / manifest["model"]["file"])
+    say(f"chat: {'yes' if manifest['tokenizer']['chat_format'] else 'no'} ({manifest['tokenizer']['chat_note']})")
+    try:
+        ops = scan(Path(bundle) / manifest["model"]["file"]).top_level
+    except (OnnxFormatError, OSError) as error:
+        raise EdgecError(f"{manifest['model']['file']} in {bundle} is not a readable ONNX model ({error})") from None
     table = Table("op type", "count", title="graph ops (top level)")
-    for op, count in ops.most_common():
-        table.add_row(op, str(count))
+    for op, count in sorted(ops.items(), key=lambda item: (-item[1], item[0])):
+        table.add_row(Text(one_line(op)), str(count))
     console.print(table)
     files = Table("file", "bytes", "sha256", title="files")
     for name, entry in manifest["files"].items():
-        files.add_row(name, f"{entry['size']:,}", entry["sha256"][:16])
+        files.add_row(Text(name), f"{entry['size']:,}", Text(one_line(entry["sha256"][:16])))
     console.print(files)
 
 
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--compare", is_flag=True, help="Also run the bundle against its stored reference logits.")
-def verify(bundle, compare) -> None:
-    """Check a bundle: manifest, every file's sha256, the exact file set, the runtime library and GPU here.
+@click.option(
+    "--trust",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Public key (edgec keygen) the bundle must be signed by; repeat to accept several.",
+)
+def verify(bundle, compare, trust) -> None:
+    """Check a bundle: manifest, every file's sha256, the exact file set, the graph's references, the signature,
+    the runtime library and GPU here.
 
     One line per check; exit code 1 when any check fails.
 
     \b
     Example:
       edgec verify smol.cpu.edgec --compare
+      edgec verify smol.cpu.edgec --trust release.pub
     """
     from edgec.verify import verify as run_verify
 
-    checks = run_verify(bundle, compare=compare)
+    checks = run_verify(bundle, compare=compare, trust=list(trust) or None)
     for check in checks:
         click.echo(check.line())
     failed = sum(check.status == "fail" for check in checks)
@@ -409,40 +494,71 @@ def verify(bundle, compare) -> None:
 @click.option("--wheels", is_flag=True, help="Include the runtime's wheels and an offline install script.")
 @click.option("--python", "python_version", default=None, help="Python of the target machine, e.g. 3.10.")
 @click.option("--platform", default=None, help="pip platform tag of the target, e.g. manylinux2014_x86_64.")
-def pack(bundle, output, wheels, python_version, platform) -> None:
+@click.option(
+    "--sign",
+    "sign_key",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Sign the pack (and an unsigned bundle in it) with this private key (edgec keygen).",
+)
+def pack(bundle, output, wheels, python_version, platform, sign_key) -> None:
     """Pack a bundle (and optionally the runtime's wheels) into one archive for an offline machine.
 
     \b
     Example:
       edgec pack smol.cpu.edgec -o smol.tar --wheels --python 3.10 --platform manylinux2014_x86_64
+      edgec pack smol.cpu.edgec -o smol.tar --sign release.key
     """
     from edgec.pack import pack as run_pack
 
-    run_pack(bundle, output, wheels=wheels, python=python_version, platform=platform)
-    click.echo(f"wrote {output} ({output.stat().st_size / 2**20:,.1f} MiB)")
+    key = None
+    if sign_key is not None:
+        from edgec.signing import load_signing_key
+
+        key = load_signing_key(sign_key)
+    run_pack(bundle, output, wheels=wheels, python=python_version, platform=platform, sign=key)
+    signed = f", signed by key {key.key_id}" if key else ""
+    click.echo(f"wrote {output} ({output.stat().st_size / 2**20:,.1f} MiB{signed})")
 
 
 @main.command()
 @click.argument("archive", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Folder to unpack into.")
-def unpack(archive, output) -> None:
-    """Unpack an archive made by `edgec pack`, checking every file of the bundle.
+@click.option(
+    "--trust",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Public key (edgec keygen) the pack must be signed by; repeat to accept several.",
+)
+def unpack(archive, output, trust) -> None:
+    """Unpack an archive made by `edgec pack`: only the files its PACK.json lists, each checked, then the bundle.
 
     \b
     Example:
-      edgec unpack smol.tar -o deploy/ && sh deploy/install.sh
+      edgec unpack smol.tar -o deploy/ --trust release.pub && sh deploy/install.sh
     """
     from edgec.pack import unpack as run_unpack
 
-    bundle = run_unpack(archive, output)
-    click.echo(f"unpacked {bundle} (every file's sha256 checked)")
+    bundle = run_unpack(archive, output, trust=list(trust) or None)
+    checked = "signed by a trusted key, " if trust else "not signature-checked (pass --trust PUBKEY), "
+    click.echo(f"unpacked {one_line(bundle)} ({checked}every file's size and sha256 checked)")
 
 
-def _op_histogram(model_path: Path) -> Counter:
-    import onnx
+@main.command()
+@click.argument("name", type=click.Path(path_type=Path))
+def keygen(name) -> None:
+    """Make an Ed25519 key pair: NAME.key (private: keep it off the deployment machines) and NAME.pub.
 
-    model = onnx.load(str(model_path), load_external_data=False)
-    return Counter(f"{node.domain}::{node.op_type}" if node.domain else node.op_type for node in model.graph.node)
+    With EDGEC_KEY_PASSPHRASE set, the private key is encrypted with it (and read with it later).
+
+    \b
+    Example:
+      edgec keygen release && edgec build MODEL -o smol.edgec --sign release.key
+    """
+    from edgec.signing import generate_keypair, key_id, load_public_keys
+
+    private, public = generate_keypair(name)
+    click.echo(f"wrote {private} (private, mode 600) and {public}; key id {key_id(load_public_keys(public)[0])}")
 
 
 if __name__ == "__main__":

@@ -21,9 +21,26 @@ class BundleError(EdgecError):
     """A bundle is missing files, damaged or of an unknown format."""
 
 
+class SignatureError(BundleError):
+    """A bundle or pack checked against trusted keys is unsigned, signed by another key, or changed since it was
+    signed; the message names the file."""
+
+
+class KeyFileError(EdgecError, ValueError):
+    """A signing or public key file cannot be used (missing, not Ed25519, encrypted without a passphrase)."""
+
+
 class GenerationError(EdgecError, ValueError):
     """A runtime call got arguments it cannot honour (e.g. a prompt longer than the context)."""
 
 
 class BuildError(EdgecError):
     """A build step could not make what the target needs from this model."""
+
+
+def one_line(text: object, limit: int = 400) -> str:
+    """Text that may hold anything (a file name, a library's message), made safe for a terminal: control
+    characters and line breaks escaped, bounded length."""
+    text = str(text)[: limit * 2]
+    escaped = "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+    return escaped if len(escaped) <= limit else escaped[: limit - 1] + "…"

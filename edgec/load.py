@@ -15,7 +15,7 @@ from typing import Any
 
 from edgec.bundle import sha256_file
 from edgec.errors import ModelLoadError, UnsupportedModelError
-from edgec.shape import GGUF_ARCHITECTURES, ModelShape, gguf_architecture, gguf_config
+from edgec.shape import GGUF_ARCHITECTURES, ModelShape, check_config_values, gguf_architecture, gguf_config
 
 # model_type → the transformers class that edgec traces. Families join as their parity tests pass.
 SUPPORTED_MODEL_TYPES = {
@@ -139,7 +139,9 @@ def _inspect_gguf(path: Path) -> dict[str, Any]:
 def _shape(config, name: str, where: Path) -> ModelShape:
     """The model's shape from its config (a dict, or a function reading one), or one line saying what is wrong."""
     try:
-        return ModelShape.from_config(config() if callable(config) else config, name)
+        config = config() if callable(config) else config
+        check_config_values(config, f"the config of {name}")
+        return ModelShape.from_config(config, name)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
         raise ModelLoadError(f"{where} does not describe a usable model ({type(error).__name__}: {error})") from None
 
@@ -152,7 +154,10 @@ def _inspect_folder(path: Path, allow_pickle: bool) -> dict[str, Any]:
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ModelLoadError(f"{config_path} is not valid JSON: {error}") from None
-    check_model_type(config.get("model_type"), config.get("architectures"))
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_path} must be a JSON object, not {type(config).__name__}")
+    architectures = config.get("architectures")
+    check_model_type(config.get("model_type"), architectures if isinstance(architectures, list) else None)
     check_model_features(config)
     safetensors_files = sorted(path.glob("*.safetensors"))
     pickle_files = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt")) + sorted(path.glob("*.pth"))
@@ -184,10 +189,14 @@ def _check_safetensors(path: Path) -> None:
             if header_len <= 0 or 8 + header_len > size:
                 raise ValueError("header length out of range")
             header = json.loads(handle.read(header_len))
+        if not isinstance(header, dict):
+            raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
         end = max((meta["data_offsets"][1] for name, meta in header.items() if name != "__metadata__"), default=0)
+        if not isinstance(end, int):
+            raise ValueError("a tensor's data_offsets are not whole numbers")
         if 8 + header_len + end != size:
             raise ValueError(f"data ends at byte {8 + header_len + end} but the file has {size}")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError, RecursionError) as error:
         raise ModelLoadError(
             f"{path.name} is not a valid safetensors file ({error}); re-download or re-save it"
         ) from None

@@ -13,10 +13,55 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from edgec.errors import BuildSettingsError
+from edgec.errors import BuildSettingsError, ModelLoadError
 
 # GGUF general.architecture → transformers model_type (Mistral GGUFs carry the "llama" architecture)
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "phi3": "phi3", "gemma3": "gemma3_text"}
+
+
+# The numbers of a model config that edgec computes with (the planner, the cache layout), with their bounds: a
+# config.json or GGUF from anywhere may hold a string, a zero or a negative number where a count belongs.
+# (required?, lowest, highest); an optional key may be absent or null.
+CONFIG_NUMBERS: dict[str, tuple[bool, int, int]] = {
+    "num_hidden_layers": (True, 1, 1_024),
+    "hidden_size": (True, 1, 2**20),
+    "intermediate_size": (True, 1, 2**22),
+    "num_attention_heads": (True, 1, 4_096),
+    "vocab_size": (True, 1, 2**22),
+    "num_key_value_heads": (False, 1, 4_096),
+    "head_dim": (False, 1, 4_096),
+    "max_position_embeddings": (False, 0, 2**24),  # 0: not stated (a GGUF without context_length)
+    "sliding_window": (False, 0, 2**24),
+    "sliding_window_pattern": (False, 1, 1_024),
+}
+
+
+def check_config_values(config: Any, where: str) -> None:
+    """One clear line for the first number in a model config that edgec cannot compute with."""
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{where} must be a JSON object, not {type(config).__name__}")
+    for key, (required, low, high) in CONFIG_NUMBERS.items():
+        value = config.get(key)
+        if value is None:
+            if required:
+                raise ModelLoadError(f"{where} has no {key}; it is not a usable decoder config")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ModelLoadError(f"{where}: {key} is {value!r:.40}, but must be a whole number in [{low}, {high:,}]")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
+    if not config.get("head_dim") and config["hidden_size"] % heads:
+        raise ModelLoadError(f"{where}: hidden_size {config['hidden_size']} is not a multiple of {heads} heads")
+    layer_types = config.get("layer_types")
+    if layer_types is not None and not (
+        isinstance(layer_types, list)
+        and len(layer_types) == config["num_hidden_layers"]
+        and all(isinstance(kind, str) for kind in layer_types)
+    ):
+        raise ModelLoadError(f"{where}: layer_types must list one string per layer")
 
 
 @dataclass(frozen=True)
@@ -89,12 +134,16 @@ def model_shape(source: str | Path) -> ModelShape:
     if source_path.is_dir():
         source_path = source_path / "config.json"
     if source_path.suffix.lower() == ".gguf" and source_path.is_file():
-        return ModelShape.from_config(gguf_config(source_path), source_path.stem)
+        config = gguf_config(source_path)
+        check_config_values(config, f"the metadata of {source_path.name}")
+        return ModelShape.from_config(config, source_path.stem)
     if source_path.is_file():
         try:
-            return ModelShape.from_config(json.loads(source_path.read_text()), source_path.parent.name)
-        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as error:
+            config = json.loads(source_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise BuildSettingsError(f"{source_path} is not a usable model config ({error})") from None
+        check_config_values(config, str(source_path))
+        return ModelShape.from_config(config, source_path.parent.name)
     names = ", ".join(
         sorted(p.name[:-5] for p in resources.files("edgec.configs").iterdir() if p.name.endswith(".json"))
     )

@@ -6,18 +6,21 @@ a GPU's compute capability, ``polygraphy`` when present to compare two runtimes.
 
 from __future__ import annotations
 
-import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from edgec.bundle import FORMAT_VERSION, MANIFEST, sha256_file
+from edgec.bundle import FORMAT_VERSION, MANIFEST, listed_file, read_json, sha256_file, unlisted_entries
+from edgec.errors import BundleError, EdgecError, one_line
 from edgec.manifest_schema import manifest_errors
 
 # fp32 graphs agree with the source model to ~1e-4 (see the build's validation); anything past this is damage
 COMPARE_TOLERANCE = {"float32": 1e-3, "float16": 5e-2}
 NOT_COMPUTE = "AzureExecutionProvider"
+REFERENCE = "validation.npz"  # the build's reference prompts and the source model's logits
 
 
 @dataclass(frozen=True)
@@ -27,17 +30,25 @@ class Check:
     detail: str
 
     def line(self) -> str:
-        return f"{self.status.upper():4}  {self.name}: {self.detail}"
+        """One line for a terminal (names and details from a bundle may hold anything: escaped)."""
+        return f"{self.status.upper():4}  {one_line(self.name)}: {one_line(self.detail)}"
 
 
-def verify(bundle: str | Path, compare: bool = False) -> list[Check]:
-    """Run every check; never raises for a problem with the bundle (that is a failed check)."""
+def verify(bundle: str | Path, compare: bool = False, trust: Any = None) -> list[Check]:
+    """Run every check; never raises for a problem with the bundle (that is a failed check). ``trust``: public
+    key file(s); the bundle must then be signed by one of them (a bad key file raises ``KeyFileError``)."""
     bundle = Path(bundle)
     checks: list[Check] = []
+    if trust is not None:
+        from edgec.signing import load_public_keys
+
+        trust = load_public_keys(trust)  # a bad key file is the caller's error, not the bundle's
     manifest = _manifest_checks(bundle, checks)
     if manifest is None:
         return checks
-    _file_checks(bundle, manifest, checks)
+    signed = _signature_check(bundle, manifest, trust, checks)
+    _file_checks(bundle, manifest, checks, signed)
+    _graph_check(bundle, manifest, checks)
     _runtime_checks(manifest, checks)
     if compare:
         if any(check.status == "fail" for check in checks):
@@ -53,13 +64,13 @@ def verify(bundle: str | Path, compare: bool = False) -> list[Check]:
 
 def _manifest_checks(bundle: Path, checks: list[Check]) -> dict | None:
     path = bundle / MANIFEST
-    if not bundle.is_dir() or not path.is_file():
+    if not bundle.is_dir() or not (path.is_file() or path.is_symlink()):
         checks.append(Check("manifest", "fail", f"{path} not found: not an edgec bundle"))
         return None
     try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        checks.append(Check("manifest", "fail", f"not valid JSON ({error})"))
+        manifest = read_json(path)
+    except BundleError as error:
+        checks.append(Check("manifest", "fail", str(error).replace(f"{path} is ", "")))
         return None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if not isinstance(version, int) or version > FORMAT_VERSION:
@@ -73,27 +84,81 @@ def _manifest_checks(bundle: Path, checks: list[Check]) -> dict | None:
     return None if errors else manifest
 
 
-def _file_checks(bundle: Path, manifest: dict, checks: list[Check]) -> None:
+def _signature_check(bundle: Path, manifest: dict, trust: list | None, checks: list[Check]) -> bool:
+    """Whether the bundle is signed by a trusted key; without ``trust`` only says who it claims to be signed by."""
+    from edgec.signing import bundle_signer
+
+    signer = bundle_signer(bundle)
+    if trust is None:
+        detail = f"signed by key {signer}, not checked (pass --trust PUBKEY)" if signer else "unsigned"
+        checks.append(Check("signature", "skip", detail))
+        return False
+    from edgec.signing import check_bundle_signature
+
+    try:
+        signer = check_bundle_signature(bundle, manifest, trust)
+    except EdgecError as error:
+        checks.append(Check("signature", "fail", str(error)))
+        return False
+    checks.append(Check("signature", "pass", f"manifest signed by trusted key {signer}"))
+    return True
+
+
+def _file_checks(bundle: Path, manifest: dict, checks: list[Check], signed: bool = False) -> None:
     listed = set(manifest["files"])
-    present = {p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file()} - {MANIFEST}
-    missing, extra = sorted(listed - present), sorted(present - listed)
+    extra = unlisted_entries(bundle, manifest)
+    missing = []
+    found = {}
+    for name in sorted(listed):
+        try:
+            found[name] = listed_file(bundle, name)
+        except BundleError as error:
+            if "is missing" in str(error):
+                missing.append(name)
+            else:
+                checks.append(Check(f"file {name}", "fail", str(error)))
     detail = "; ".join(
         filter(None, [missing and f"missing {', '.join(missing)}", extra and f"extra {', '.join(extra)}"])
     )
     checks.append(Check("file set", "fail" if detail else "pass", detail or f"{len(listed)} files, as listed"))
-    for name in sorted(listed & present):
-        entry, path = manifest["files"][name], bundle / name
+    changed = (
+        "sha256 differs from the signed manifest: changed after signing"
+        if signed
+        else "sha256 differs from the manifest (damaged, or changed since the build)"
+    )
+    for name, path in found.items():
+        entry = manifest["files"][name]
         size = path.stat().st_size
         if size != entry["size"]:
             checks.append(Check(f"file {name}", "fail", f"{size} bytes, manifest says {entry['size']} (truncated?)"))
         elif sha256_file(path) != entry["sha256"]:
-            checks.append(Check(f"file {name}", "fail", "sha256 differs from the manifest (damaged or tampered)"))
+            checks.append(Check(f"file {name}", "fail", changed))
         else:
             checks.append(Check(f"file {name}", "pass", f"sha256 ok, {size:,} bytes"))
 
 
+def _graph_check(bundle: Path, manifest: dict, checks: list[Check]) -> None:
+    """What the graph names (external data, op domains, inputs) against the bundle, read before any runtime."""
+    from edgec.onnx_scan import graph_problems
+
+    if any(check.status == "fail" for check in checks):
+        checks.append(Check("graph", "skip", "earlier checks failed"))
+        return
+    problems = graph_problems(bundle, manifest)
+    detail = "; ".join(problems[:3]) or "external data inside the bundle, known op domains, inputs match the cache"
+    checks.append(Check("graph", "fail" if problems else "pass", detail))
+    from edgec.runtime.tokenizer import BundleTokenizer
+
+    try:
+        tokenizer = BundleTokenizer(bundle / manifest["tokenizer"]["file"], None)
+    except BundleError as error:
+        checks.append(Check("tokenizer", "fail", str(error)))
+        return
+    checks.append(Check("tokenizer", "pass", f"{manifest['tokenizer']['file']} loads ({tokenizer.vocab_size} tokens)"))
+
+
 def _version_tuple(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
+    return tuple(int(part) for part in re.findall(r"[0-9]+", text.split("+")[0])[:3])
 
 
 def _runtime_checks(manifest: dict, checks: list[Check]) -> None:
@@ -168,9 +233,11 @@ def compare_with_reference(bundle: Path, manifest: dict) -> list[Check]:
     """Run the bundle on the build's validation prompts; compare with the source model's stored logits."""
     from edgec.runtime import Model
 
+    if REFERENCE not in manifest["files"]:
+        return [Check("reference logits", "skip", f"the bundle lists no {REFERENCE}")]
     model = Model.load(bundle)
     tolerance = COMPARE_TOLERANCE.get(manifest["cache"]["dtype"], 1e-3)
-    stored = np.load(bundle / "validation.npz")
+    stored = np.load(bundle / REFERENCE)
     checks = []
     for index in range(manifest["validation"]["prompts"]):
         ids, want = stored[f"ids_{index}"], stored[f"logits_{index}"]
@@ -198,6 +265,8 @@ def compare_runtimes(bundle: Path, manifest: dict, providers: list[str] | None =
         providers = ["CPUExecutionProvider"] + [p for p in available if p not in ("CPUExecutionProvider", NOT_COMPUTE)]
     if len(providers) < 2:
         return Check("cross-runtime", "skip", "only ONNX Runtime's CPU provider is present on this machine")
+    if REFERENCE not in manifest["files"]:
+        return Check("cross-runtime", "skip", f"the bundle lists no {REFERENCE} to feed both runtimes")
     first, second = providers[:2]
     try:
         from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
@@ -223,7 +292,7 @@ def _validation_feeds(bundle: Path, manifest: dict) -> list[dict]:
     if manifest["format_version"] < 2:  # v1 named the state only in part: what the graph has
         graph = onnx.load(str(bundle / manifest["model"]["file"]), load_external_data=False).graph
         spec = spec.keeping({value.name for value in graph.input})
-    stored = np.load(bundle / "validation.npz")
+    stored = np.load(bundle / REFERENCE)
     feeds = []
     for index in range(manifest["validation"]["prompts"]):
         ids = stored[f"ids_{index}"].astype(np.int64)

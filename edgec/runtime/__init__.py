@@ -5,7 +5,7 @@ model = Model.load("smol.cpu.edgec")
 print(model.generate("The capital of France is", max_new_tokens=16))
 """
 
-from edgec.errors import BundleError, GenerationError
+from edgec.errors import BundleError, GenerationError, KeyFileError, SignatureError
 from edgec.runtime.model import Model
 
-__all__ = ["BundleError", "GenerationError", "Model"]
+__all__ = ["BundleError", "GenerationError", "KeyFileError", "Model", "SignatureError"]

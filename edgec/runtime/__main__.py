@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from edgec.errors import EdgecError
+from edgec.errors import EdgecError, one_line
 from edgec.runtime import Model
 
 
@@ -18,9 +18,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
+    parser.add_argument(
+        "--trust",
+        action="append",
+        metavar="PUBKEY",
+        help="run only a bundle signed by this public key (repeat for several; needs 'edgec[trust]')",
+    )
     args = parser.parse_args(argv)
     try:
-        model = Model.load(args.bundle)
+        model = Model.load(args.bundle, trust=args.trust)
         for piece in model.generate(
             args.prompt,
             chat=args.chat,
@@ -32,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             print(piece, end="", flush=True)
         print()
     except EdgecError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {one_line(error, 2000)}", file=sys.stderr)
         return 2
     return 0
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from edgec.bundle import read_manifest, upgrade_manifest, verify_hashes
-from edgec.errors import BuildSettingsError, BundleError, GenerationError
+from edgec.bundle import TrustedKeys, open_bundle, upgrade_manifest
+from edgec.errors import BuildSettingsError, BundleError, GenerationError, one_line
 from edgec.kvcache.compression import Compression
 from edgec.kvcache.spec import CacheSpec
 from edgec.runtime.chat import ChatFormat
@@ -34,10 +34,13 @@ class Model:
     streaming generator holds one until it is exhausted or closed). Memory therefore grows with the number of
     generations running at the same moment: one cache state each (``cache_spec.total_bytes()``).
 
-    Errors: ``BundleError`` when the bundle cannot be used; ``GenerationError`` (a ``ValueError``) for bad
-    arguments: empty prompt, token ids outside the vocabulary, a prompt longer than the context, negative
-    ``max_new_tokens``, ``temperature`` that is negative or not finite, ``top_p`` outside (0, 1], negative
-    ``top_k``; ``TypeError`` for arguments of the wrong type.
+    Errors: ``BundleError`` when the bundle cannot be used (missing or damaged files, a manifest out of bounds, a
+    path outside the bundle, a graph or tokenizer the runtime libraries refuse), and its subclass
+    ``SignatureError`` when ``trust`` is given and the bundle is unsigned, signed by another key or changed since
+    it was signed; ``KeyFileError`` (a ``ValueError``) for a trust key file that cannot be read;
+    ``GenerationError`` (a ``ValueError``) for bad arguments: empty prompt, token ids outside the vocabulary, a
+    prompt longer than the context, negative ``max_new_tokens``, ``temperature`` that is negative or not finite,
+    ``top_p`` outside (0, 1], negative ``top_k``; ``TypeError`` for arguments of the wrong type.
     """
 
     def __init__(
@@ -98,18 +101,28 @@ class Model:
         kv_capacity: int | None = None,
         prefill_compress: str | None = None,
         providers: list[str] | None = None,
+        trust: TrustedKeys | None = None,
     ) -> Model:
-        """Open a bundle folder. File presence and sizes are always checked; ``check_hashes`` also checks every
-        sha256 (slower: reads every byte). For a compressed cache, ``kv_capacity`` changes its slot count (the
+        """Open a bundle folder. Always checked first: the manifest's schema and bounds, every listed file present
+        as a regular file inside the bundle with its size, every path the manifest or the graph names is one of
+        them (docs/security.md); ``check_hashes`` also checks every sha256 (slower: reads every byte).
+        ``trust``: a public key file (or several, or key objects) — the bundle must carry a valid signature by one
+        of them, hold exactly its listed files, and every byte must match (implies ``check_hashes``; needs
+        ``pip install 'edgec[trust]'``). For a compressed cache, ``kv_capacity`` changes its slot count (the
         graph takes any: fewer slots trade quality for memory without a rebuild) and ``prefill_compress``
         (``end``/``chunk``) how long prompts are read; both default to the manifest's. ``providers`` overrides
         the ONNX Runtime execution providers the bundle names (for testing a lowering on another provider, e.g.
         a CANN bundle on the CPU)."""
         path = Path(path)
-        manifest = read_manifest(path)
-        if check_hashes and (bad := verify_hashes(path, manifest)):
-            raise BundleError(f"{', '.join(bad)} in {path} differ from the manifest (sha256): damaged or tampered")
-        return cls(path, manifest, threads, kv_capacity, prefill_compress, providers)
+        manifest = open_bundle(path, check_hashes=check_hashes, trust=trust)
+        try:
+            return cls(path, manifest, threads, kv_capacity, prefill_compress, providers)
+        except MemoryError:
+            raise BundleError(f"{path} needs more memory than this machine can give (its cache or logits)") from None
+        except Exception as error:  # ONNX Runtime's own exception types (InvalidGraph, Fail, ...) are not ours
+            if not type(error).__module__.startswith("onnxruntime"):
+                raise
+            raise BundleError(f"ONNX Runtime cannot load {path}: {one_line(error)}") from None
 
     # --- prompts -----------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

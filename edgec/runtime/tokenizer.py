@@ -2,24 +2,45 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from edgec.errors import GenerationError
+from edgec.errors import BundleError, GenerationError, one_line
 from edgec.runtime.chat import ChatFormat
+
+
+@contextlib.contextmanager
+def _tokenizer_errors(path: Path, doing: str) -> Iterator[None]:
+    """A tokenizer.json from a bundle may be malformed or hostile: its failures are BundleErrors. A regex that
+    backtracks past Oniguruma's limit makes the tokenizers library panic, and its PanicException derives from
+    BaseException (so ``except Exception`` misses it)."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as error:
+        if not isinstance(error, Exception) and type(error).__name__ != "PanicException":
+            raise
+        raise BundleError(f"the bundle's {path.name} failed {doing}: {one_line(error, 200)}") from None
 
 
 class BundleTokenizer:
     def __init__(self, path: Path, chat_format: ChatFormat | None, chat_note: str = "") -> None:
-        self.tokenizer = Tokenizer.from_file(str(path))
+        self.path = path
+        with _tokenizer_errors(path, "to load"):
+            self.tokenizer = Tokenizer.from_file(str(path))
+            self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.chat_format = chat_format
         self.chat_note = chat_note
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, not {type(text).__name__}")
+        with _tokenizer_errors(self.path, "on this text"):
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         if self.chat_format is None:
@@ -28,10 +49,12 @@ class BundleTokenizer:
         return self.encode(self.chat_format.render(messages), add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        with _tokenizer_errors(self.path, "to decode"):
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
-        return [self.tokenizer.id_to_token(i) or "" for i in ids]
+        with _tokenizer_errors(self.path, "to name tokens"):
+            return [self.tokenizer.id_to_token(i) or "" for i in ids]
 
     def stream(self, ids: Iterator[int]) -> Iterator[str]:
         """Yield text pieces as tokens arrive. Decoding a short window around the new token (not the whole
