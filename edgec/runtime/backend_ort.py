@@ -97,6 +97,9 @@ class OrtBackend:
     def open_state(self) -> OrtCacheState:
         return OrtCacheState(self.graph, self.vocab_size)
 
+    def close(self) -> None:
+        """Nothing to keep: ONNX Runtime frees the session with the last reference."""
+
 
 class OrtCacheState:
     """One cache state on a session: tokens at explicit positions in, logits out, state updated in place."""
@@ -138,6 +141,9 @@ class OrtCacheState:
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {tensor.input: array.copy() for tensor, array, _ in self._state}
+
+    def close(self) -> None:
+        """Host buffers: freed with the last reference."""
 
     def reset(self) -> None:
         """Empty every slot. Only positions need clearing: an empty slot (pos -1) is masked, never scored or
@@ -221,6 +227,9 @@ class StaticOrtBackend:
         decode = OrtCacheState(self.decode, self.vocab_size, shared_state=prefill._state)
         return StaticOrtCacheState(prefill, decode, self.max_tokens)
 
+    def close(self) -> None:
+        """Nothing to keep: ONNX Runtime frees the sessions with the last reference."""
+
 
 class StaticOrtCacheState:
     def __init__(self, prefill: OrtCacheState, decode: OrtCacheState, tokens: int) -> None:
@@ -228,6 +237,9 @@ class StaticOrtCacheState:
 
     def arrays(self) -> dict[str, np.ndarray]:
         return self.decode.arrays()
+
+    def close(self) -> None:
+        """Host buffers: freed with the last reference."""
 
     def reset(self) -> None:
         self.decode.reset()  # the cache buffers are shared: one reset empties both

@@ -1,118 +1,263 @@
 """TensorRT-RTX backend: runs a bundle's engine on an NVIDIA GPU (imports tensorrt_rtx and cuda-python only).
 
-Cache state lives on the GPU in two buffers per tensor, swapped after each step (the step reads one and writes
-the other). TensorRT does not promise that an output bound to its own input is computed correctly, and that
-cannot be tested without a GPU here, so no in-place aliasing is relied on.
+Loading: the GPU is checked first (none, or another compute capability than the engine's, is one line naming
+what is missing); ``Runtime.get_engine_validity`` then tells why an engine would not load (another TensorRT-RTX
+release, another GPU, a driver too old) before deserializing. TensorRT-RTX compiles kernels just in time on the
+first run; the compiled kernels are kept in a runtime cache saved per engine and GPU
+(``$EDGEC_CACHE_DIR``, default ``~/.cache/edgec``, ``tensorrt-rtx/``), so a second start does not compile again.
+
+Each cache state (``runtime.step.CacheState``) has its own execution context, stream and device buffers: two per
+state tensor, swapped after each step (the step reads one and writes the other; TensorRT gives no guarantee for
+an output bound to its own input). Every TensorRT and CUDA return value is checked; ``close`` frees what a state
+allocated (also done when it is garbage collected).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
+import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from edgec.errors import BundleError
-from edgec.kvcache.spec import CacheSpec
+from edgec.kvcache.reference import select_slots
+from edgec.kvcache.spec import PROTECT_INPUT, CacheSpec, StateTensor
 
 EXTRA = "pip install 'edgec[tensorrt-rtx]'"
+IO_INPUTS = ("input_ids", "position_ids", "logits_index")
 
 
-def _cuda():
+def _modules():
+    """tensorrt_rtx and cuda-python's runtime bindings, or one line naming the extra."""
+    try:
+        import tensorrt_rtx
+    except ImportError:
+        raise BundleError(f"this bundle runs on TensorRT-RTX, which is not installed here: {EXTRA}") from None
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:
-        raise BundleError(f"this bundle runs on TensorRT-RTX, which needs cuda-python: {EXTRA}") from None
-    return cudart
+        raise BundleError(f"this bundle runs on TensorRT-RTX, which needs cuda-python ≥ 12.6.1: {EXTRA}") from None
+    return tensorrt_rtx, cudart
 
 
-def _check(result):
-    error, *values = result if isinstance(result, tuple) else (result,)
-    if int(error) != 0:
-        raise BundleError(f"CUDA error {int(error)}: is there an NVIDIA GPU and driver on this machine?")
-    return values[0] if len(values) == 1 else values
+class Cuda:
+    """cuda-python's runtime API with every return code checked."""
+
+    def __init__(self, cudart) -> None:
+        self.cudart = cudart
+
+    def __call__(self, function: str, *args):
+        error, *values = getattr(self.cudart, function)(*args)
+        if int(error) != 0:
+            raise BundleError(f"{function} failed: {self.error_name(error)}")
+        return values[0] if len(values) == 1 else values
+
+    def error_name(self, error) -> str:
+        return getattr(error, "name", None) or f"CUDA error {int(error)}"
+
+
+def find_gpu(cuda: Cuda, wanted: str | None) -> Any:
+    """The properties of GPU 0, which must have the engine's compute capability; one line otherwise."""
+    needs = f"an NVIDIA GPU of compute capability {wanted}" if wanted else "an NVIDIA GPU"
+    error, count = cuda.cudart.cudaGetDeviceCount()
+    if int(error) != 0 or count < 1:
+        why = cuda.error_name(error) if int(error) != 0 else "no device"
+        raise BundleError(f"this bundle runs on {needs}; none is usable here ({why}: no GPU, or no NVIDIA driver)")
+    properties = cuda("cudaGetDeviceProperties", 0)
+    have = f"{properties.major}.{properties.minor}"
+    if wanted and have != str(wanted):
+        name = properties.name.decode(errors="replace").strip("\0") if isinstance(properties.name, bytes) else ""
+        raise BundleError(
+            f"this bundle's engine is built for compute capability {wanted}; this GPU ({name}) is {have}: "
+            "rebuild it for this GPU's target (edgec targets)"
+        )
+    return properties
+
+
+def runtime_cache_path(engine_sha256: str, properties: Any, library_version: str) -> Path:
+    """Where the kernels TensorRT-RTX compiles for this engine on this GPU are kept between runs."""
+    root = Path(os.environ.get("EDGEC_CACHE_DIR") or Path.home() / ".cache" / "edgec") / "tensorrt-rtx"
+    uuid = getattr(properties, "uuid", b"")
+    uuid = bytes(getattr(uuid, "bytes", uuid) or b"")
+    gpu = hashlib.sha256(uuid + f"{properties.major}.{properties.minor}".encode()).hexdigest()[:16]
+    return root / f"{engine_sha256[:24]}-{gpu}-{library_version}.cache"
 
 
 class TrtBackend:
-    """A deserialized engine; each cache state gets its own execution context, stream and device buffers."""
+    """A deserialized engine, shared by every cache state opened on it."""
 
-    def __init__(self, engine_path: Path, spec: CacheSpec, vocab_size: int, max_tokens: int) -> None:
-        try:
-            import tensorrt_rtx as trt
-        except ImportError:
-            raise BundleError(f"this bundle runs on TensorRT-RTX: {EXTRA}") from None
-        self.cudart = _cuda()
+    def __init__(self, folder: Path, runtime: dict[str, Any], spec: CacheSpec, vocab_size: int, engine_sha256: str):
+        trt, cudart = _modules()
+        self.trt, self.cuda = trt, Cuda(cudart)
+        self.properties = find_gpu(self.cuda, runtime.get("compute_capability"))
+        data = (folder / runtime["engine"]).read_bytes()
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
-        self.engine = self.runtime.deserialize_cuda_engine(engine_path.read_bytes())
+        validity, diagnostics = self.runtime.get_engine_validity(data)
+        if validity == trt.EngineValidity.INVALID:
+            raise BundleError(
+                f"{runtime['engine']} cannot run here ({_diagnosis(diagnostics)}); it was built by TensorRT-RTX "
+                f"{runtime.get('version')} for compute capability {runtime.get('compute_capability')}, this is "
+                f"TensorRT-RTX {trt.__version__}: rebuild the bundle with this release"
+            )
+        self.engine = self.runtime.deserialize_cuda_engine(data)
         if self.engine is None:
-            raise BundleError(f"{engine_path} does not load: built by another TensorRT-RTX release or for another GPU")
-        self.spec, self.vocab_size, self.max_tokens = spec, vocab_size, max_tokens
-        self.float_dtype = np.float16 if spec.dtype == "float16" else np.float32
+            raise BundleError(f"TensorRT-RTX {trt.__version__} could not load {runtime['engine']}; rebuild the bundle")
+        self.spec, self.vocab_size = spec, vocab_size
+        self.max_tokens = int(runtime["prefill_chunk"])
         names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
         if problem := spec.mismatch(names, names):
-            raise BundleError(f"{engine_path.name} does not carry the cache state its manifest names ({problem})")
+            raise BundleError(f"{runtime['engine']} does not carry the cache state its manifest names ({problem})")
+        self.float_dtype = np.dtype(self.engine.get_tensor_dtype("logits"))
+        self.dtypes = {name: np.dtype(self.engine.get_tensor_dtype(name)) for name in names}
+        # kernels compiled on the first run are kept between processes
+        self.runtime_config = self.engine.create_runtime_config()
+        self.runtime_cache = self.runtime_config.create_runtime_cache()
+        self.cache_path = runtime_cache_path(engine_sha256, self.properties, trt.__version__)
+        if self.cache_path.is_file():
+            self.runtime_cache.deserialize(self.cache_path.read_bytes())  # False: stale for this setup, rebuilt
+        if not self.runtime_config.set_runtime_cache(self.runtime_cache):
+            raise BundleError("TensorRT-RTX refused its runtime cache")
+        self.states: weakref.WeakSet = weakref.WeakSet()
 
     @property
     def providers(self) -> list[str]:
         return ["TensorRT-RTX"]
 
     def open_state(self) -> TrtCacheState:
-        return TrtCacheState(self)
+        state = TrtCacheState(self)
+        self.states.add(state)
+        return state
+
+    def save_runtime_cache(self) -> None:
+        """Write the compiled kernels for the next start (atomically; a failure only costs that start time)."""
+        try:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            blob = bytes(self.runtime_cache.serialize())
+            with tempfile.NamedTemporaryFile(dir=self.cache_path.parent, delete=False) as handle:
+                handle.write(blob)
+            os.replace(handle.name, self.cache_path)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.save_runtime_cache()
+        for state in list(self.states):
+            state.close()
+
+
+def _diagnosis(diagnostics: Any) -> str:
+    known = {1: "another TensorRT-RTX release", 2: "another GPU", 4: "an older driver", 8: "another OS"}
+    flags = int(diagnostics) if isinstance(diagnostics, (int, np.integer)) else 0
+    found = [text for bit, text in known.items() if flags & bit]
+    return "built for " + ", ".join(found) if found else f"engine diagnostics {diagnostics}"
 
 
 class TrtCacheState:
-    """One cache state on the GPU, in two buffers per tensor swapped after each step (the step reads one and
-    writes the other)."""
+    """One cache state on the GPU (see the module docstring)."""
 
     def __init__(self, backend: TrtBackend) -> None:
-        self.backend, self.cudart = backend, backend.cudart
-        self.context = backend.engine.create_execution_context()
-        self.stream = _check(self.cudart.cudaStreamCreate())
-        # (state tensor, [device buffer A, device buffer B], its empty value on the host)
-        self.buffers = [
-            (tensor, [self._alloc(array.nbytes), self._alloc(array.nbytes)], array)
-            for tensor, array in backend.spec.empty_state()
-        ]
+        self.backend, self.cuda = backend, backend.cuda
+        self.spec = backend.spec
+        self.compression = self.spec.compression
+        self.pointers: list[int] = []
+        streams: list[int] = []
+        # frees what this state allocated when it is closed or collected, whichever comes first
+        self._finalizer = weakref.finalize(self, _free, self.cuda.cudart, self.pointers, streams)
+        self.context = backend.engine.create_execution_context(backend.runtime_config)
+        if self.context is None:
+            raise BundleError("TensorRT-RTX could not create an execution context (out of GPU memory?)")
+        self.stream = self.cuda("cudaStreamCreate")
+        streams.append(self.stream)
+        # (state tensor, [device buffer read, device buffer written], its empty value on the host)
+        self.buffers = self._allocate(self.spec.empty_state())
+        self.active = self.buffers  # a larger state while an `end` prompt is read into a compressed cache
         tokens, vocab = backend.max_tokens, backend.vocab_size
-        self.io = {
-            name: self._alloc(size)
-            for name, size in (
-                ("input_ids", 8 * tokens),
-                ("position_ids", 8 * tokens),
-                ("logits_index", 8 * tokens),
-                ("logits", np.dtype(backend.float_dtype).itemsize * tokens * vocab),
-            )
-        }
+        self.io = {name: self._malloc(8 * tokens) for name in (*IO_INPUTS, PROTECT_INPUT)}
+        self.io["logits"] = self._malloc(backend.float_dtype.itemsize * tokens * vocab)
         self.reset()
 
-    def _alloc(self, size: int) -> int:
-        return _check(self.cudart.cudaMalloc(size))
+    def _malloc(self, size: int) -> int:
+        pointer = self.cuda("cudaMalloc", max(size, 1))
+        self.pointers.append(pointer)
+        return pointer
+
+    def _allocate(self, arrays: list[tuple[StateTensor, np.ndarray]]):
+        return [(tensor, [self._malloc(a.nbytes), self._malloc(a.nbytes)], a) for tensor, a in arrays]
 
     def _upload(self, pointer: int, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array)
-        kind = self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
-        _check(self.cudart.cudaMemcpyAsync(pointer, array.ctypes.data, array.nbytes, kind, self.stream))
-        _check(self.cudart.cudaStreamSynchronize(self.stream))
+        kind = self.cuda.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+        self.cuda("cudaMemcpyAsync", pointer, array.ctypes.data, array.nbytes, kind, self.stream)
+        self.cuda("cudaStreamSynchronize", self.stream)
 
     def _download(self, array: np.ndarray, pointer: int) -> np.ndarray:
-        kind = self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        _check(self.cudart.cudaMemcpyAsync(array.ctypes.data, pointer, array.nbytes, kind, self.stream))
-        _check(self.cudart.cudaStreamSynchronize(self.stream))
+        kind = self.cuda.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        self.cuda("cudaMemcpyAsync", array.ctypes.data, pointer, array.nbytes, kind, self.stream)
+        self.cuda("cudaStreamSynchronize", self.stream)
         return array
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {
-            tensor.input: self._download(np.empty_like(empty), pointers[0]) for tensor, pointers, empty in self.buffers
-        }
+        return {t.input: self._download(np.empty_like(empty), pointers[0]) for t, pointers, empty in self.buffers}
 
     def reset(self) -> None:
+        self._drop_larger()
         for _, pointers, empty in self.buffers:
             self._upload(pointers[0], empty)
 
+    # --- reading a long prompt into a compressed cache (as the ONNX Runtime backend, on device buffers) -----
     def begin_prompt(self, length: int) -> None:
-        """Engines are built for the plain cache only (no compressed-cache state to reshape)."""
+        compression = self.compression
+        if compression and compression.prefill_compress == "end" and length > compression.capacity:
+            larger = self._allocate(self.spec.empty_state(length))
+            compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
+            self.active = []
+            for entry, big in zip(self.buffers, larger, strict=True):
+                if entry[0].layer in compressed:
+                    self._upload(big[1][0], big[2])
+                    self.active.append(big)
+                else:
+                    self.active.append(entry)
 
     def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
-        pass
+        if self.active is self.buffers:
+            return
+        by_layer: dict[int, dict[str, np.ndarray]] = {}
+        for (tensor, pointers, empty), own in zip(self.active, self.buffers, strict=True):
+            if pointers is not own[1]:
+                by_layer.setdefault(tensor.layer, {})[tensor.name] = self._download(np.empty_like(empty), pointers[0])
+        capacity = self.compression.capacity
+        kept = {
+            layer: select_slots(state, self.compression, newest, capacity, last_chunk_start)
+            for layer, state in by_layer.items()
+        }
+        for tensor, pointers, _ in self.buffers:
+            if tensor.layer in kept:
+                self._upload(pointers[0], kept[tensor.layer][tensor.name])
+        self._drop_larger()
+
+    def _drop_larger(self) -> None:
+        if self.active is self.buffers:
+            return
+        for entry, own in zip(self.active, self.buffers, strict=True):
+            if entry[1] is not own[1]:
+                for pointer in entry[1]:
+                    self.cuda("cudaFree", pointer)
+                    self.pointers.remove(pointer)
+        self.active = self.buffers
+
+    # --- a step --------------------------------------------------------------------------------------------------
+    def _bind(self, name: str, pointer: int, shape: tuple[int, ...] | None = None) -> None:
+        if shape is not None and not self.context.set_input_shape(name, shape):
+            raise BundleError(
+                f"TensorRT-RTX refused the shape {list(shape)} for {name} (the engine takes 1 to "
+                f"{self.backend.max_tokens} tokens per step)"
+            )
+        if not self.context.set_tensor_address(name, pointer):
+            raise BundleError(f"TensorRT-RTX refused the buffer of {name}")
 
     def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:
         count = len(ids)
@@ -124,19 +269,33 @@ class TrtCacheState:
             "position_ids": np.arange(start, start + count, dtype=np.int64).reshape(1, count),
             "logits_index": index,
         }
+        if self.spec.protected:
+            flags = np.zeros(count, bool) if protect is None else np.asarray(protect, bool)
+            feeds[PROTECT_INPUT] = flags.reshape(1, count)
         for name, array in feeds.items():
-            self._upload(self.io[name], array)
-            self.context.set_input_shape(name, array.shape)
-            self.context.set_tensor_address(name, self.io[name])
-        self.context.set_tensor_address("logits", self.io["logits"])
-        for tensor, pointers, _ in self.buffers:
-            self.context.set_tensor_address(tensor.input, pointers[0])
-            self.context.set_tensor_address(tensor.output, pointers[1])
+            self._upload(self.io[name], array.astype(self.backend.dtypes[name], copy=False))
+            self._bind(name, self.io[name], array.shape)
+        self._bind("logits", self.io["logits"])
+        for tensor, pointers, empty in self.active:
+            self._bind(tensor.input, pointers[0], empty.shape)
+            self._bind(tensor.output, pointers[1])
         if not self.context.execute_async_v3(self.stream):
             raise BundleError("TensorRT-RTX failed to run the step")
-        logits = self._download(
-            np.empty((len(index), self.backend.vocab_size), self.backend.float_dtype), self.io["logits"]
-        )
-        for _, pointers, _ in self.buffers:
+        logits = np.empty((len(index), self.backend.vocab_size), self.backend.float_dtype)
+        self._download(logits, self.io["logits"])
+        for _, pointers, _ in self.active:
             pointers.reverse()  # this step's outputs are the next step's inputs
         return logits
+
+    def close(self) -> None:
+        """Free the device memory and stream (idempotent)."""
+        self._finalizer()
+
+
+def _free(cudart, pointers: list[int], streams: list[int]) -> None:
+    for pointer in pointers:
+        cudart.cudaFree(pointer)
+    pointers.clear()
+    for stream in streams:
+        cudart.cudaStreamDestroy(stream)
+    streams.clear()

@@ -79,6 +79,21 @@ class Model:
         """What runs the graph here (ONNX Runtime's execution providers, or TensorRT-RTX)."""
         return self._backend.providers
 
+    def close(self) -> None:
+        """Release the cache states and the backend now (GPU memory; a TensorRT-RTX runtime cache is saved for
+        the next start). Also done when the model is garbage collected, except the runtime cache."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for state in idle:
+            state.close()
+        self._backend.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @contextlib.contextmanager
     def _state(self) -> Iterator[CacheState]:
         """A cache state no other generation is using, returned to the pool afterwards."""
@@ -383,7 +398,8 @@ def _backend(
             raise BundleError(f"{path} is a format-v1 TensorRT-RTX bundle, which never loaded: rebuild it")
         from edgec.runtime.backend_trt import TrtBackend
 
-        return TrtBackend(path / runtime["engine"], spec, vocab_size, int(runtime["prefill_chunk"]))
+        engine_sha256 = manifest["files"][runtime["engine"]]["sha256"]
+        return TrtBackend(path, runtime, spec, vocab_size, engine_sha256)
     try:
         import onnxruntime
     except ImportError:

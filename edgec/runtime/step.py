@@ -37,6 +37,9 @@ class CacheState(Protocol):
     def arrays(self) -> dict[str, np.ndarray]:
         """Host copies of the state, by graph input name (inspection, tests)."""
 
+    def close(self) -> None:
+        """Release what the state holds on the device (idempotent; also done when it is collected)."""
+
 
 class Backend(Protocol):
     spec: CacheSpec
@@ -49,3 +52,6 @@ class Backend(Protocol):
 
     def open_state(self) -> CacheState:
         """A new, empty cache state on this backend."""
+
+    def close(self) -> None:
+        """Release the backend (and save what it keeps between runs, e.g. compiled kernels)."""

@@ -1,0 +1,148 @@
+"""A stand-in for ``cuda.bindings.runtime`` (cuda-python): device memory is host memory.
+
+Every call has the real binding's shape — a tuple whose first item is a ``cudaError_t`` — and the checks a real
+driver makes: a pointer must come from ``cudaMalloc`` and a copy must fit inside its allocation (an overflow that
+would corrupt GPU memory is an error here), a freed pointer is gone, a stream must exist. A "device pointer" is the
+address of a numpy buffer, so the fake TensorRT-RTX engine reads and writes the very bytes the backend copied.
+``DEVICES`` sets what the machine has (0 devices: the driver reports cudaErrorNoDevice, as on a machine without
+a GPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class cudaError_t(enum.IntEnum):  # noqa: N801  (the binding's names)
+    cudaSuccess = 0
+    cudaErrorInvalidValue = 1
+    cudaErrorMemoryAllocation = 2
+    cudaErrorInvalidDevicePointer = 17
+    cudaErrorNoDevice = 100
+    cudaErrorInvalidResourceHandle = 400
+
+
+class cudaMemcpyKind(enum.IntEnum):  # noqa: N801
+    cudaMemcpyHostToHost = 0
+    cudaMemcpyHostToDevice = 1
+    cudaMemcpyDeviceToHost = 2
+    cudaMemcpyDeviceToDevice = 3
+
+
+@dataclass
+class cudaDeviceProp:  # noqa: N801
+    name: bytes = b"Fake GeForce RTX 3060"
+    major: int = 8
+    minor: int = 6
+    totalGlobalMem: int = 12 << 30  # noqa: N815
+    uuid: bytes = b"fake-gpu-0000000"
+
+
+DEVICES: list[cudaDeviceProp] = [cudaDeviceProp()]
+ALLOCATIONS: dict[int, np.ndarray] = {}  # device pointer → its bytes
+STREAMS: set[int] = set()
+_next_stream = [1]
+
+
+def reset(devices: list[cudaDeviceProp] | None = None) -> None:
+    """A fresh machine (tests call this between cases)."""
+    DEVICES[:] = [cudaDeviceProp()] if devices is None else devices
+    ALLOCATIONS.clear()
+    STREAMS.clear()
+
+
+def _no_device() -> bool:
+    return not DEVICES
+
+
+def cudaGetDeviceCount():  # noqa: N802
+    if _no_device():
+        return (cudaError_t.cudaErrorNoDevice, 0)
+    return (cudaError_t.cudaSuccess, len(DEVICES))
+
+
+def cudaGetDeviceProperties(device: int):  # noqa: N802
+    if device >= len(DEVICES):
+        return (cudaError_t.cudaErrorInvalidValue if DEVICES else cudaError_t.cudaErrorNoDevice, None)
+    return (cudaError_t.cudaSuccess, DEVICES[device])
+
+
+def cudaDriverGetVersion():  # noqa: N802
+    return (cudaError_t.cudaSuccess, 13000)
+
+
+def cudaMemGetInfo():  # noqa: N802
+    if _no_device():
+        return (cudaError_t.cudaErrorNoDevice, 0, 0)
+    used = sum(array.nbytes for array in ALLOCATIONS.values())
+    total = DEVICES[0].totalGlobalMem
+    return (cudaError_t.cudaSuccess, total - used, total)
+
+
+def cudaMalloc(size: int):  # noqa: N802
+    if _no_device():
+        return (cudaError_t.cudaErrorNoDevice, 0)
+    buffer = np.zeros(max(int(size), 1), np.uint8)
+    pointer = buffer.ctypes.data
+    ALLOCATIONS[pointer] = buffer
+    return (cudaError_t.cudaSuccess, pointer)
+
+
+def cudaFree(pointer: int):  # noqa: N802
+    if ALLOCATIONS.pop(int(pointer), None) is None:
+        return (cudaError_t.cudaErrorInvalidDevicePointer,)
+    return (cudaError_t.cudaSuccess,)
+
+
+def allocation_of(pointer: int, count: int) -> np.ndarray | None:
+    """The allocation that holds ``count`` bytes from ``pointer`` (None when no single one does)."""
+    for start, buffer in ALLOCATIONS.items():
+        if start <= pointer and pointer + count <= start + buffer.nbytes:
+            return buffer
+    return None
+
+
+def cudaMemcpyAsync(dst: int, src: int, count: int, kind: cudaMemcpyKind, stream: int):  # noqa: N802
+    if stream not in STREAMS:
+        return (cudaError_t.cudaErrorInvalidResourceHandle,)
+    return cudaMemcpy(dst, src, count, kind)
+
+
+def cudaMemcpy(dst: int, src: int, count: int, kind: cudaMemcpyKind):  # noqa: N802
+    device_side = {
+        cudaMemcpyKind.cudaMemcpyHostToDevice: (dst,),
+        cudaMemcpyKind.cudaMemcpyDeviceToHost: (src,),
+        cudaMemcpyKind.cudaMemcpyDeviceToDevice: (dst, src),
+    }.get(cudaMemcpyKind(kind), ())
+    if any(allocation_of(int(pointer), int(count)) is None for pointer in device_side):
+        return (cudaError_t.cudaErrorInvalidValue,)
+    ctypes.memmove(int(dst), int(src), int(count))
+    return (cudaError_t.cudaSuccess,)
+
+
+def cudaStreamCreate():  # noqa: N802
+    if _no_device():
+        return (cudaError_t.cudaErrorNoDevice, 0)
+    stream = _next_stream[0]
+    _next_stream[0] += 1
+    STREAMS.add(stream)
+    return (cudaError_t.cudaSuccess, stream)
+
+
+def cudaStreamSynchronize(stream: int):  # noqa: N802
+    return (cudaError_t.cudaSuccess,) if stream in STREAMS else (cudaError_t.cudaErrorInvalidResourceHandle,)
+
+
+def cudaStreamDestroy(stream: int):  # noqa: N802
+    if stream not in STREAMS:
+        return (cudaError_t.cudaErrorInvalidResourceHandle,)
+    STREAMS.discard(stream)
+    return (cudaError_t.cudaSuccess,)
+
+
+def cudaGetErrorString(error):  # noqa: N802
+    return (cudaError_t.cudaSuccess, cudaError_t(int(error)).name.encode())
