@@ -261,7 +261,8 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
         from edgec.trt import build_engine
 
         start = time.perf_counter()
-        engine, runtime = build_engine(folder / "model.onnx", target, max_tokens=prefill_chunk)
+        slots = (plan.kv.capacity, context) if plan.kv else None
+        engine, runtime = build_engine(folder / "model.onnx", target, max_tokens=prefill_chunk, slots=slots)
         (folder / "engine.trt").write_bytes(engine)
         runtime |= {"min_version": runtime["version"], "providers": [], "engine": "engine.trt"}
         timings["engine_s"] = time.perf_counter() - start

@@ -41,6 +41,9 @@ class Abilities:
     weight_forms: tuple[str, ...] = ("qdq",)  # quantized weights: matmulnbits (ORT kernel), qdq (DequantizeLinear)
     zero_points: bool = True  # False: INT4 DequantizeLinear without zero points (symmetric) only
     compressed_cache: bool = False  # builds the compressed cache (--kv-*)
+    # False: every tensor's shape must follow from the input shapes (no If whose branches slice by data, no Slice
+    # ending where the cache's contents say): the compressed op then attends over every slot (TensorRT-RTX)
+    data_dependent_shapes: bool = True
     compute: str = "fp32"  # activations' dtype unless fp32 weights are asked for
     engine: str | None = None  # an engine built ahead of time from the graph
     static_shapes: bool = False  # two fixed-shape graphs (prefill chunk, one-token decode) instead of one dynamic
