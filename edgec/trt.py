@@ -30,9 +30,7 @@ def dynamic_dims(onnx_path: Path) -> dict[str, list[str | None]]:
     import onnx
 
     graph = onnx.load(str(onnx_path), load_external_data=False).graph
-    return {
-        value.name: [dim.dim_param or None for dim in value.type.tensor_type.shape.dim] for value in graph.input
-    }
+    return {value.name: [dim.dim_param or None for dim in value.type.tensor_type.shape.dim] for value in graph.input}
 
 
 def profile_range(dim: str | None, max_tokens: int, slots: tuple[int, int] | None) -> tuple[int, int, int]:

@@ -120,6 +120,12 @@ def test_no_gpu_is_one_line(rtx_bundle, fake_gpu):
     assert_clean_failure(result, "compute capability 8.6")
 
 
+def test_a_driver_too_old_for_the_cuda_build_is_named(rtx_bundle, fake_gpu):
+    cudart.reset(driver=12080)  # an R570 driver: CUDA 12.8
+    with pytest.raises(BundleError, match=r"supports CUDA 12\.8, the installed TensorRT-RTX needs CUDA 13\.0"):
+        Model.load(rtx_bundle)
+
+
 def test_another_gpu_or_release_is_named(rtx_bundle, fake_gpu):
     cudart.reset(devices=[cudart.cudaDeviceProp(name=b"Fake RTX 4090", major=8, minor=9)])
     with pytest.raises(BundleError, match=r"built for compute capability 8\.6; this GPU \(Fake RTX 4090\) is 8\.9"):
