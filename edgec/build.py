@@ -17,7 +17,7 @@ from edgec.errors import BuildSettingsError
 from edgec.kvcache.compression import Compression
 from edgec.pipeline import Choices, passes_for
 from edgec.shape import ModelShape
-from edgec.targets import ORT_PROVIDERS, Target, load_target
+from edgec.targets import ORT_MIN_VERSIONS, ORT_PROVIDERS, Target, load_target
 
 STAGES = ("load", "calibrate", "export", "save", "validate", "engine", "bundle")
 VALIDATION_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
@@ -74,8 +74,8 @@ def plan_build(settings: BuildSettings, shape: ModelShape, max_context: int | No
     target = load_target(settings.target)
     if not target.buildable:
         raise BuildSettingsError(
-            f"target {target.name} ({target.runtime}) can be planned for (edgec plan) but not built yet; "
-            "the build column of edgec targets says which are"
+            f"target {target.name} ({target.runtime}) can be planned for (edgec plan) but not built yet "
+            f"({target.unbuildable_reason}); the build column of edgec targets says which are"
         )
     context = resolve_context(settings, max_context)
     if settings.prefill_chunk is not None and settings.prefill_chunk < 1:
@@ -254,7 +254,8 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
 
     progress("engine")
     provider = ORT_PROVIDERS.get(target.runtime, "CPUExecutionProvider")
-    runtime = {"library": "onnxruntime", "min_version": "1.20", "providers": [provider]}
+    min_version = ORT_MIN_VERSIONS.get(target.runtime, "1.20")
+    runtime = {"library": "onnxruntime", "min_version": min_version, "providers": [provider]}
     if target.provider_options:
         runtime["provider_options"] = {provider: target.provider_options}
     if target.abilities.engine == "tensorrt-rtx":
