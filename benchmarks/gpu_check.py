@@ -9,7 +9,7 @@ the pack's wheels into a venv of its own (pip --no-index --require-hashes), unpa
 checked against PACK.json), and gives each bundle one try in a child process of its own, with a time limit:
 a failure is reported and the next bundle still runs. Per bundle it reports
 
-- peak GPU memory above a baseline read before the bundle is loaded (device-wide, sampled every 20 ms),
+- peak GPU memory above a baseline read before the bundle is loaded (device-wide, sampled every 20 ms by NVML),
 - prefill tok/s and decode tok/s, measured separately, at ~1K and ~16K prompt tokens (where the bundle's context
   allows; 64 greedy decode steps, EOS ignored),
 - the logits of the GPU run against ONNX Runtime's CPU provider on the bundle's own ONNX graph (the fp16 graph any
@@ -176,8 +176,10 @@ def install(pack_dir: Path, entries: list[Entry], venv: Path, python: str) -> Pa
                             shutil.copyfileobj(source, sink, 1 << 22)
                     if _sha256(target) != record["sha256"]:
                         raise CheckError(f"{name} in {entry.pack} differs from its PACK.json: damaged pack")
-    cuda_libs = pack_dir / "cuda-libs" / "requirements.txt"
-    wanted = {"wheels": wheels, "cuda_libs": cuda_libs.is_file()}
+    # wheels beside the packs (gpu_prepare.py): nvidia-ml-py, and with --cuda-libs the CUDA/cuDNN libraries
+    extras = [pack_dir / folder / "requirements.txt" for folder in ("tools", "cuda-libs")]
+    extras = [path for path in extras if path.is_file()]
+    wanted = {"wheels": wheels, "extras": [str(path) for path in extras]}
     if marker.is_file() and json.loads(marker.read_text()) == wanted:
         return venv / "bin" / "python"
     if not wheels:
@@ -186,8 +188,8 @@ def install(pack_dir: Path, entries: list[Entry], venv: Path, python: str) -> Pa
     _run([python, "-m", "venv", str(venv)], "creating the venv")
     requirements = venv.parent / "requirements.txt"
     lines = [f"{staging / name} --hash=sha256:{digest}" for name, digest in sorted(wheels.items())]
-    if cuda_libs.is_file():  # the CUDA/cuDNN libraries as wheels (gpu_prepare.py --cuda-libs), pinned the same way
-        lines += [line.replace("wheels/", f"{cuda_libs.parent}/", 1) for line in cuda_libs.read_text().splitlines()]
+    for extra in extras:  # pinned the same way
+        lines += [line.replace("wheels/", f"{extra.parent}/", 1) for line in extra.read_text().splitlines() if line]
     requirements.write_text("\n".join(lines) + "\n")
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index", "--require-hashes"]
     _run([*pip, "-r", str(requirements)], "installing the pack's wheels")
@@ -296,7 +298,7 @@ class VramSampler:
     before anything is loaded. Device-wide: another process's memory on the same GPU would count too."""
 
     def __init__(self) -> None:
-        self.read = self._reader()
+        self.read, self.interval = self._reader()
         self.baseline = min(self.read() for _ in range(3)) if self.read else None
         self.peak = self.baseline
         self._stop = threading.Event()
@@ -311,15 +313,15 @@ class VramSampler:
 
             pynvml.nvmlInit()
             handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]))
-            return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
-        except Exception:  # no NVML binding or no GPU: nvidia-smi, if there is one
+            return (lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20), 0.02
+        except Exception:  # no NVML binding or no GPU: nvidia-smi, if there is one (a process per read: slower)
             if shutil.which("nvidia-smi") is None:
-                return None
+                return None, 0.0
             query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]
-            return lambda: float(subprocess.run(query, capture_output=True, text=True).stdout.split()[0])
+            return (lambda: float(subprocess.run(query, capture_output=True, text=True).stdout.split()[0])), 0.2
 
     def _loop(self) -> None:
-        while not self._stop.wait(0.02):
+        while not self._stop.wait(self.interval):
             self.peak = max(self.peak, self.read())
 
     def above_baseline(self) -> float | None:

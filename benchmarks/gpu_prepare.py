@@ -87,22 +87,23 @@ def build_bundle(item: dict, models: dict[str, Path], folder: Path, rebuild: boo
     return bundle, time.monotonic() - begin
 
 
-def cuda_library_wheels(folder: Path, onnxruntime_gpu: str, python: str, platform: str) -> list[str]:
-    """The nvidia-* wheels onnxruntime-gpu's own `cuda` and `cudnn` extras name, pinned by hash."""
+def extra_wheels(folder: Path, requirements: list[str], python: str, platform: str, keep: str = "") -> list[str]:
+    """Wheels beside the packs, for the check's own venv, pinned by hash in ``folder/requirements.txt``: the GPU
+    memory reader (nvidia-ml-py), and with --cuda-libs the nvidia-* wheels onnxruntime-gpu's own `cuda` and
+    `cudnn` extras name (``keep``: only wheels whose names start so; the rest comes with the packs already)."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     from edgec.pack import compatible_platforms
 
     platforms = [option for tag in compatible_platforms(platform) for option in ("--platform", tag)]
     command = [sys.executable, "-m", "pip", "download", "-q", "-d", str(folder), "--only-binary=:all:",
-               "--implementation", "cp", "--python-version", python, *platforms,
-               f"onnxruntime-gpu[cuda,cudnn]=={onnxruntime_gpu}"]  # fmt: skip
+               "--implementation", "cp", "--python-version", python, *platforms, *requirements]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
-        raise PrepareError(f"pip download of the CUDA libraries failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise PrepareError(f"pip download of {' '.join(requirements)} failed: {done.stderr.strip().splitlines()[-1:]}")
     for wheel in folder.glob("*.whl"):
-        if not wheel.name.startswith("nvidia_"):
-            wheel.unlink()  # the rest comes with the packs already
+        if not wheel.name.startswith(keep):
+            wheel.unlink()
     lines = [f"wheels/{w.name} --hash=sha256:{_sha256(w)}" for w in sorted(folder.glob("*.whl"))]
     (folder / "requirements.txt").write_text("\n".join(lines) + "\n")
     return [w.name for w in sorted(folder.glob("*.whl"))]
@@ -173,12 +174,15 @@ def prepare(args: argparse.Namespace) -> dict:
                 "validation_top1": manifest["validation"]["top1_agreement"],
             }
         )
-    cuda_libs = []
+    cuda_libs, tools = [], []
+    if args.wheels:
+        tools = extra_wheels(args.out / "tools", ["nvidia-ml-py"], args.python, args.platform)
     if args.cuda_libs:
         if onnxruntime_gpu is None:
             raise PrepareError("--cuda-libs needs a cuda bundle packed with its wheels (not --no-wheels)")
         print("downloading the CUDA and cuDNN libraries as wheels …", flush=True)
-        cuda_libs = cuda_library_wheels(args.out / "cuda-libs", onnxruntime_gpu, args.python, args.platform)
+        wanted = [f"onnxruntime-gpu[cuda,cudnn]=={onnxruntime_gpu}"]
+        cuda_libs = extra_wheels(args.out / "cuda-libs", wanted, args.python, args.platform, keep="nvidia_")
     for script in ("gpu_check.py", "gpu_check.sh"):
         shutil.copy2(HERE / script, args.out / script)
     from edgec import __version__
@@ -190,6 +194,7 @@ def prepare(args: argparse.Namespace) -> dict:
         "platform": args.platform,
         "packs": entries,
         "cuda_libs": cuda_libs,
+        "tools": tools,
         "build_seconds": timings,
     }
     (args.out / "PREPARED.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     total = sum(p["size"] for p in info["packs"]) + sum(
-        (args.out / "cuda-libs" / name).stat().st_size for name in info["cuda_libs"]
+        (args.out / folder / name).stat().st_size for folder in ("cuda-libs", "tools") for name in info[folder]
     )
     for entry in info["packs"]:
         print(f"  {entry['pack']}: {entry['size'] / 2**20:,.0f} MiB ({entry['target']}, {entry['runtime']})")

@@ -62,6 +62,8 @@ def test_the_graph_is_the_cpu_graph_in_fp16(cuda_bundle, tiny_bundle):
     data = manifest(cuda_bundle)
     assert data["runtime"]["providers"] == ["CUDAExecutionProvider"]
     assert data["runtime"]["min_version"] == "1.23"  # CUDA kernels for RMSNormalization-23, RotaryEmbedding-23
+    options = data["runtime"]["provider_options"]["CUDAExecutionProvider"]
+    assert options == {"arena_extend_strategy": "kSameAsRequested"}  # the arena grows only by what is asked
     assert data["cache"]["dtype"] == "float16"
     assert set(data["passes"]) == set(manifest(tiny_bundle)["passes"]) | {"float16"}
     graph = onnx.load(str(cuda_bundle / "model.onnx"), load_external_data=False).graph
@@ -188,7 +190,7 @@ def test_on_the_gpu_the_cache_lives_on_the_device_and_cpu_nodes_are_named(
     assert got == list(Model.load(tiny_bundle).generate_ids(PROMPT, max_new_tokens=12))
     state_tensors = len(model.cache_spec.empty_state())
     assert stand_in_cuda.count(("cuda", 0)) == state_tensors  # every cache tensor allocated on the GPU, once
-    assert StandInCudaSession.options[0][0] == ["CUDAExecutionProvider"]
+    assert StandInCudaSession.options[0] == (["CUDAExecutionProvider"], [{"arena_extend_strategy": "kSameAsRequested"}])
 
 
 def test_a_provider_that_fails_to_start_is_an_error_not_a_cpu_run(cuda_bundle, stand_in_cuda):

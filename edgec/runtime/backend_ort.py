@@ -175,7 +175,7 @@ class OrtCacheState:
         return {tensor.input: np.array(value.numpy(), copy=True) for tensor, value in self._state}
 
     def close(self) -> None:
-        """Host buffers: freed with the last reference."""
+        """Its buffers (host or device OrtValues) are freed with the last reference."""
 
     def reset(self) -> None:
         """Empty every slot. Only positions need clearing: an empty slot (pos -1) is masked, never scored or
