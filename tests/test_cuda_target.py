@@ -12,6 +12,7 @@ import json
 import logging
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -277,3 +278,23 @@ def test_onnxruntime_gpu_without_a_gpu_is_one_error_line(cuda_bundle, tmp_path):
         timeout=120,
     )
     assert "CUDAExecutionProvider" in json.loads(providers.stdout)  # onnxruntime-gpu imports without a GPU
+
+
+def test_verify_takes_the_targets_capability_as_a_floor(monkeypatch):
+    """An ONNX Runtime CUDA bundle runs on any GPU from its target's compute capability on (an engine only on its
+    own): `edgec verify` says so."""
+    from edgec.verify import _gpu_check
+
+    capability = [(9, 0)]
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetCudaComputeCapability=lambda handle: capability[0],
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    cuda = load_target("cuda").to_json()
+    assert _gpu_check(cuda).status == "pass"  # an H200 runs the `cuda` bundle
+    capability[0] = (6, 1)
+    assert _gpu_check(cuda).status == "fail"
+    capability[0] = (8, 9)
+    assert _gpu_check(load_target("rtx3060").to_json()).status == "fail"  # an sm86 engine needs sm86
