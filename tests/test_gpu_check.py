@@ -191,3 +191,28 @@ def test_a_tensorrt_rtx_bundle_is_measured_through_the_stand_ins(rtx_bundle, fak
     assert result["providers"] == ["TensorRT-RTX"]
     assert set(result["lengths"]) == {"48"} and result["lengths"]["48"]["decode_tokens"] == 8
     assert result["logits_vs_ort_cpu"]["max_abs_diff"] == 0.0 and result["logits_vs_ort_cpu"]["top1_same"]
+
+
+def test_the_check_installs_its_venv_from_the_packs_wheels_alone(tiny_bundle, tmp_path):
+    """The wheels come out of the pack (each checked against PACK.json) and pip installs them with --no-index and
+    --require-hashes; a second run finds the venv made and keeps it. (The cpu bundle's pack: its wheels are this
+    machine's; the GPU packs' are the same mechanism with onnxruntime-gpu.)"""
+    from edgec.pack import pack
+
+    (tmp_path / "packs").mkdir()
+    pack(tiny_bundle, tmp_path / "packs" / "tiny.tar", wheels=True)
+    entry = check.Entry("packs/tiny.tar", "tiny.cpu.edgec", "cpu", "ort-cpu", "0.0", "tiny", 128, wheels=True)
+    venv = tmp_path / "check" / "venv"
+    python = check.install(tmp_path, [entry], venv, sys.executable)
+    where = subprocess.run(
+        [str(python), "-c", "import edgec.runtime, onnxruntime; print(onnxruntime.__file__)"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert where.returncode == 0 and where.stdout.startswith(str(venv)), where.stderr
+    made = (venv / "edgec-check.json").stat().st_mtime_ns
+    assert check.install(tmp_path, [entry], venv, sys.executable) == python
+    assert (venv / "edgec-check.json").stat().st_mtime_ns == made  # not installed twice
+    with pytest.raises(check.CheckError, match="carries wheels"):
+        check.install(tmp_path, [check.Entry("packs/tiny.tar", "x", "cpu", "ort-cpu", "0.0", "t", 1)], venv, "python3")
