@@ -13,7 +13,7 @@ import numpy as np
 
 from edgec import __version__
 from edgec.bundle import atomic_folder, write_manifest, write_npz
-from edgec.errors import BuildSettingsError
+from edgec.errors import BuildError, BuildSettingsError
 from edgec.kvcache.compression import Compression
 from edgec.pipeline import Choices, passes_for
 from edgec.shape import ModelShape
@@ -357,6 +357,16 @@ def _write_static_graphs(folder: Path, tokens: int) -> dict[str, Any]:
     return {"decode_file": "decode.onnx", "static_tokens": tokens}
 
 
+def _not_finite_reason(dtype: np.dtype) -> str:
+    if dtype == np.float16:
+        return (
+            "the built graph's logits are not finite on the validation prompts: the model's activations overflow "
+            "fp16 (Gemma 3's residual stream, for one, reaches ~1e5, past fp16's 65,504); build it for a target that "
+            "computes in fp32 (cpu, cpu-portable, openvino-ipc, ascend-910b with --weights fp32)"
+        )
+    return "the built graph's logits are not finite on the validation prompts: the model or its conversion is broken"
+
+
 def _validate(
     folder: Path,
     model_files: dict[str, Any],
@@ -373,6 +383,8 @@ def _validate(
     for ids, expected in zip(prompts, reference, strict=True):
         state.reset()
         logits = state.run(np.asarray(ids, dtype=np.int64), 0, last_only=True)[-1]
+        if not np.isfinite(logits).all():
+            raise BuildError(_not_finite_reason(logits.dtype))
         errors.append(float(np.abs(logits.astype(np.float32) - expected).max()))
         agree.append(bool(int(logits.argmax()) == int(expected.argmax())))
     arrays = {f"ids_{i}": np.asarray(p, np.int64) for i, p in enumerate(prompts)}
