@@ -143,6 +143,16 @@ def select(entries: list[Entry], gpu: Gpu) -> tuple[list[Entry], dict[str, str]]
     return chosen, skipped
 
 
+def without_wheels(chosen: list[Entry], entries: list[Entry]) -> dict[str, str]:
+    """The chosen bundles whose runtime no pack carries wheels for (they cannot be installed here), and why."""
+    carried = {entry.runtime for entry in entries if entry.wheels}
+    return {
+        entry.bundle: f"the pack carries no {entry.runtime} wheels ({entry.wheels_problem or 'packed without'})"
+        for entry in chosen
+        if entry.runtime not in carried
+    }
+
+
 def read_prepared(pack_dir: Path) -> tuple[dict[str, Any], list[Entry]]:
     path = pack_dir / "PREPARED.json"
     if not path.is_file():
@@ -481,11 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"GPU: {gpu.name}, {gpu.sm}; running {len(chosen)} of {len(entries)} bundles")
         for bundle, reason in skipped.items():
             print(f"  skip {bundle}: {reason}")
-        if not args.no_install:  # a runtime no pack carries wheels for cannot be installed here: say why
-            carried = {entry.runtime for entry in entries if entry.wheels}
-            for entry in [e for e in chosen if e.runtime not in carried]:
-                chosen.remove(entry)
-                unready[entry.bundle] = f"the pack carries no {entry.runtime} wheels ({entry.wheels_problem or '?'})"
+        if not args.no_install:
+            unready = without_wheels(chosen, entries)
+            chosen = [entry for entry in chosen if entry.bundle not in unready]
         installed = args.no_install or not chosen
         python = sys.executable if installed else str(install(args.pack, chosen, work / "venv", sys.executable))
         env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -71,6 +71,15 @@ def test_the_gpu_decides_which_bundles_run():
     assert check.select(_entries(), old)[0] == []
 
 
+def test_a_runtime_packed_without_its_wheels_is_a_failure_that_says_why():
+    cuda, rtx3060 = _entries()[:2]
+    cuda = check.Entry(**{**cuda.__dict__, "wheels": True})
+    rtx3060 = check.Entry(**{**rtx3060.__dict__, "wheels_problem": "pip download failed: no tensorrt-rtx wheel"})
+    assert check.without_wheels([cuda, rtx3060], [cuda, rtx3060]) == {
+        "smollm2.rtx3060.edgec": "the pack carries no tensorrt-rtx wheels (pip download failed: no tensorrt-rtx wheel)"
+    }
+
+
 def test_nvidia_smi_output_is_read():
     gpu = check.parse_nvidia_smi("NVIDIA H200, 9.0, 143771, 580.159.03\n")
     assert gpu == H200 and gpu.sm == "sm90"
