@@ -251,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     total = sum(p["size"] for p in info["packs"]) + sum(
-        (args.out / folder / name).stat().st_size for folder in ("cuda-libs", "tools") for name in info[folder]
+        (args.out / folder / name).stat().st_size
+        for folder, key in (("cuda-libs", "cuda_libs"), ("tools", "tools"))
+        for name in info[key]
     )
     for entry in info["packs"]:
         print(f"  {entry['pack']}: {entry['size'] / 2**20:,.0f} MiB ({entry['target']}, {entry['runtime']})")
