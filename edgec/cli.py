@@ -182,10 +182,10 @@ def build(
     """
     from edgec.build import BuildSettings
     from edgec.build import build as run_build
-    from edgec.load import silence_third_party_progress
+    from edgec.load import quiet_progress_environment
     from edgec.plan import parse_memory
 
-    silence_third_party_progress()  # before transformers and tqdm are imported; edgec shows its own progress
+    quiet_progress_environment()  # before transformers and tqdm are imported; edgec shows its own progress
 
     settings = BuildSettings(
         target=target,

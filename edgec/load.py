@@ -75,12 +75,18 @@ def _set_offline() -> None:
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
+def quiet_progress_environment() -> None:
+    """The environment switches that turn off tqdm and huggingface_hub bars; they count only when set before
+    those libraries are imported, so the CLI sets them first (cheap: nothing is imported)."""
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+
+
 def silence_third_party_progress() -> None:
     """No tqdm bars from the libraries a build uses (the CLI shows its own progress): in a log they are carriage-
     return-joined noise. TQDM_DISABLE only counts if set before tqdm is first imported, and transformers' GGUF
     reader calls plain tqdm (not transformers' switchable one), so that module's tqdm is wrapped as well."""
-    os.environ["TQDM_DISABLE"] = "1"
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    quiet_progress_environment()
     import functools
 
     import transformers
