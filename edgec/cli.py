@@ -269,6 +269,7 @@ def plain_progress(echo=None):
     echo = echo or click.echo
     started = time.monotonic()
     shown: dict[str, int] = {}
+    echo(f"[{0:7.1f} s] starting (checking the settings against the model's config and the target)")
 
     def advance(stage: str, done: int | None = None, total: int | None = None) -> None:
         elapsed = f"[{time.monotonic() - started:7.1f} s]"
@@ -464,7 +465,7 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
             raise click.UsageError(f"cannot read --prompt-file {prompt_file}: {reason}") from None
         source = f"--prompt-file {prompt_file}"
     elif prompt == "-":
-        text, source = click.get_text_stream("stdin").read(), "stdin"
+        text, source = sys.stdin.read(), "stdin"
     elif prompt is None:
         raise click.UsageError("give a PROMPT, - to read it from stdin, or --prompt-file FILE")
     else:
