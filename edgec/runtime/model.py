@@ -70,7 +70,8 @@ class Model:
     it was signed; ``KeyFileError`` (a ``ValueError``) for a trust key file that cannot be read;
     ``GenerationError`` (a ``ValueError``) for bad arguments: empty prompt, token ids outside the vocabulary, a
     prompt longer than the context, negative ``max_new_tokens``, ``temperature`` that is negative or not finite,
-    ``top_p`` outside (0, 1], negative ``top_k``; ``TypeError`` for arguments of the wrong type.
+    ``top_p`` outside (0, 1], negative ``top_k``, ``repeat_penalty`` that is not a finite number > 0;
+    ``TypeError`` for arguments of the wrong type.
     """
 
     def __init__(

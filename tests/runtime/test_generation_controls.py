@@ -173,3 +173,16 @@ def test_kv_capacity_zero_is_refused_not_the_bundles():
         Compression(capacity=128).override(16, capacity=0)
     with pytest.raises(BuildSettingsError, match="--kv-capacity must be a number ≥ 1"):
         Compression(capacity=0).check(16, 256)
+
+
+def test_runtime_only_command_takes_stop_and_penalty(tiny_bundle, model, capsys):
+    from edgec.runtime.__main__ import main
+
+    text = model.generate(PROMPT, max_new_tokens=12, repeat_penalty=1.2)
+    stop = text[4:7]
+    assert main([str(tiny_bundle), PROMPT, "-n", "12", "--repeat-penalty", "1.2", "--stop", stop]) == 0
+    out, err = capsys.readouterr()
+    assert out == text[: text.index(stop)] + "\n"
+    assert "tok/s" in err
+    assert main([str(tiny_bundle), PROMPT, "--repeat-penalty", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: repeat_penalty must be")
