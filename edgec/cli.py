@@ -642,7 +642,6 @@ def inspect(bundle) -> None:
     Example:
       edgec inspect smol.cpu.edgec
     """
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
@@ -652,7 +651,7 @@ def inspect(bundle) -> None:
 
     manifest = upgrade_manifest(read_manifest(bundle))
     # build_settings is a record of the build (shown, never relied on); the rest is what the runtime reads
-    console = Console(highlight=False)
+    console = plain_console()
 
     def say(text: str) -> None:  # every string from the manifest is data: no markup, control characters escaped
         console.print(Text(one_line(text, 2000)))
