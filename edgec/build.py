@@ -233,7 +233,11 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
     progress("export")
     start = time.perf_counter()
     model = export_step(loaded.causal_lm, spec)
-    pass_counts, spec = run_passes(model, plan.passes, plan.options, spec)
+    pass_counts: dict[str, int] = {}
+    for done, name in enumerate(plan.passes, 1):  # one at a time, to show progress inside the export stage
+        counts, spec = run_passes(model, [name], plan.options, spec)
+        pass_counts.update(counts)
+        progress("passes", done, len(plan.passes))
     timings["export_s"] = time.perf_counter() - start
     del loaded.causal_lm
 

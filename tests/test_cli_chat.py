@@ -4,6 +4,7 @@ tables when not on a terminal; every bad input: one ``error:`` line, exit 2."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 
@@ -193,8 +194,9 @@ def test_plan_prints_a_build_line_that_builds(tiny_llama, tmp_path):
     built = invoke(*words[1:], "--context", "64")  # a shorter context than planned keeps the test fast
     assert built.exit_code == 0, built.output
     assert "\r" not in built.output  # not a terminal: plain lines, no live bars
-    for stage in ("load (1/7)", "export (3/7)", "bundle (7/7)"):
+    for stage in ("starting", "load (1/7)", "export (3/7)", "bundle (7/7)"):
         assert stage in built.output
+    assert re.search(r"\] passes (\d+)/\1\n", built.output)  # inside the export stage: each graph pass
     assert (out / "manifest.json").exists()
 
 
