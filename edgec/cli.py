@@ -623,7 +623,8 @@ def chat(
             pieces.close()
             click.echo(" (interrupted)", nl=False, err=True)
         click.echo()
-        history[:] = [*turn, {"role": "assistant", "content": "".join(answer)}]
+        # kept without the spaces and newlines around it: the template puts its own between turns
+        history[:] = [*turn, {"role": "assistant", "content": "".join(answer).strip()}]
         last = stats
 
 

@@ -132,7 +132,7 @@ def test_chat_is_multi_turn_with_a_system_message(tiny_bundle, model):
         messages=[
             system,
             {"role": "user", "content": "hello"},
-            {"role": "assistant", "content": first},
+            {"role": "assistant", "content": first.strip()},
             {"role": "user", "content": "and then?"},
         ],
         max_new_tokens=6,
