@@ -73,10 +73,13 @@ def test_run_stop_and_repeat_penalty(tiny_bundle, model):
     assert penalized.stdout == terminal_text(model.generate(prompt, max_new_tokens=20, repeat_penalty=1.5)) + "\n"
 
 
-def test_chat_template_gives_a_base_bundle_chat(tiny_bundle, base_bundle, chatml_file):
-    assert_clean_failure(invoke("run", base_bundle, "hello", "--chat"), "no chat format")
+def test_chat_template_gives_a_base_bundle_chat(tiny_bundle, base_bundle, chatml_file, tmp_path):
+    assert_clean_failure(invoke("run", base_bundle, "hello", "--chat"), "no chat format", "--chat-template")
     want = invoke("run", tiny_bundle, "hello", "--chat", "-n", "6", "-q").stdout
     assert invoke("run", base_bundle, "hello", "--chat-template", chatml_file, "-n", "6", "-q").stdout == want
+    config = tmp_path / "tokenizer_config.json"  # as a Hugging Face folder holds it
+    config.write_text(json.dumps({"chat_template": CHATML}))
+    assert invoke("run", base_bundle, "hello", "--chat-template", config, "-n", "6", "-q").stdout == want
 
 
 @pytest.mark.parametrize(
@@ -95,6 +98,8 @@ def test_chat_template_gives_a_base_bundle_chat(tiny_bundle, base_bundle, chatml
         (["{bundle}", "hi", "--chat-template", "{tmp}"], None, ["cannot read the chat template"]),
         (["{bundle}", "hi", "--chat-template", "{tmp}/bad.jinja"], None, ["not valid Jinja"]),
         (["{bundle}", "hi", "--chat-template", "{tmp}/empty.jinja"], None, ["is empty"]),
+        (["{bundle}", "hi", "--chat-template", "{tmp}/twice.jinja"], None, ["cannot be used", "per role"]),
+        (["{bundle}", "hi", "--chat-template", "{tmp}/tokenizer_config.json"], None, ['no "chat_template"']),
         (["{bundle}", "hi", "--kv-capacity", "0"], None, ["compressed cache"]),
     ],
     ids=[
@@ -111,6 +116,8 @@ def test_chat_template_gives_a_base_bundle_chat(tiny_bundle, base_bundle, chatml
         "template-is-a-folder",
         "bad-jinja",
         "empty-template",
+        "template-not-per-role",
+        "json-without-template",
         "kv-capacity-0",
     ],
 )
@@ -118,6 +125,8 @@ def test_run_bad_inputs(args, stdin, needles, tiny_bundle, tmp_path):
     (tmp_path / "p.txt").write_text("x")
     (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
     (tmp_path / "empty.jinja").write_text("  \n")
+    (tmp_path / "twice.jinja").write_text("{% for m in messages %}{{ m['content'] }}{{ m['content'] }}{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
     args = [a.format(bundle=tiny_bundle, tmp=tmp_path) for a in args]
     assert_clean_failure(invoke("run", *args, input=stdin), *needles)
 
