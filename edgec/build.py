@@ -16,6 +16,7 @@ from edgec.bundle import atomic_folder, write_manifest, write_npz
 from edgec.errors import BuildError, BuildSettingsError
 from edgec.kvcache.compression import Compression
 from edgec.pipeline import Choices, passes_for
+from edgec.plan import with_memory
 from edgec.shape import ModelShape
 from edgec.targets import ORT_MIN_VERSIONS, ORT_PROVIDERS, Target, load_target
 
@@ -49,6 +50,7 @@ class BuildSettings:
     protect: str | None = None  # built-in protect heuristics applied by default at run time ("numbers,names")
     allow_pickle: bool = False
     overwrite: bool = False
+    memory: int | None = None  # the device's bytes for the fit check; None = the target's (edgec plan --memory)
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class Plan:
 
 def plan_build(settings: BuildSettings, shape: ModelShape, max_context: int | None) -> Plan:
     """Check every setting against the target and the model; the passes to run. One clear line per problem."""
-    target = load_target(settings.target)
+    target = with_memory(load_target(settings.target), settings.memory)
     if not target.buildable:
         raise BuildSettingsError(
             f"target {target.name} ({target.runtime}) can be planned for (edgec plan) but not built yet "
@@ -232,7 +234,11 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
     progress("export")
     start = time.perf_counter()
     model = export_step(loaded.causal_lm, spec)
-    pass_counts, spec = run_passes(model, plan.passes, plan.options, spec)
+    pass_counts: dict[str, int] = {}
+    for done, name in enumerate(plan.passes, 1):  # one at a time, to show progress inside the export stage
+        counts, spec = run_passes(model, [name], plan.options, spec)
+        pass_counts.update(counts)
+        progress("passes", done, len(plan.passes))
     timings["export_s"] = time.perf_counter() - start
     del loaded.causal_lm
 

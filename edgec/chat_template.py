@@ -74,3 +74,62 @@ def chat_format_from_tokenizer(tokenizer) -> tuple[ChatFormat | None, str]:
         return derive_chat_format(render), "derived from the tokenizer's chat template and checked against it"
     except Exception as error:  # any template the wrapper form cannot express
         return None, f"chat template not supported by the runtime: {error}"
+
+
+def chat_format_from_template(template: str, bos_token: str = "", eos_token: str = "") -> ChatFormat:
+    """The runtime's ``ChatFormat`` from a Jinja chat template's text (``--chat-template FILE``), rendered as
+    transformers renders chat templates (a sandbox, ``trim_blocks``/``lstrip_blocks``, ``bos_token``/``eos_token``
+    and ``raise_exception`` defined); ChatTemplateError when it is not valid Jinja or not per-role wrappers."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from edgec.errors import ChatTemplateError
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    try:
+        compiled = environment.from_string(template)
+    except TemplateError as error:
+        raise ChatTemplateError(f"the chat template is not valid Jinja: {error}") from None
+
+    def render(messages: list[dict], add_generation_prompt: bool) -> str:
+        return compiled.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token
+        )
+
+    try:
+        return derive_chat_format(render)
+    except Exception as error:  # the template's own errors (raise_exception, undefined names) or its shape
+        raise ChatTemplateError(
+            f"the chat template cannot be used: {error} (the runtime needs a template that wraps each message "
+            "in fixed text per role)"
+        ) from None
+
+
+def read_chat_template(path) -> str:
+    """A chat template file's text: a Jinja template, or a tokenizer_config.json / chat_template.json holding one
+    under "chat_template"."""
+    import json
+    from pathlib import Path
+
+    from edgec.errors import ChatTemplateError
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else type(error).__name__
+        raise ChatTemplateError(f"cannot read the chat template {path}: {reason}") from None
+    if path.suffix == ".json":
+        try:
+            text = json.loads(text)["chat_template"]
+        except (ValueError, KeyError, TypeError):
+            raise ChatTemplateError(f'{path} has no "chat_template" string') from None
+        if not isinstance(text, str):
+            raise ChatTemplateError(f'{path}: "chat_template" is not one template string')
+    if not text.strip():
+        raise ChatTemplateError(f"the chat template {path} is empty")
+    return text

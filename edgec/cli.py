@@ -138,6 +138,11 @@ def kv_options(command=None, *, at_load: bool = False):
     default=None,
     help="int4: matmulnbits (ONNX Runtime's kernel) or qdq (standard DequantizeLinear + MatMul) [default: target's].",
 )
+@click.option(
+    "--memory",
+    default=None,
+    help="The device's memory (6GB, 8GiB) for the fit check, in place of the target's (as edgec plan --memory).",
+)
 @click.option("--allow-pickle", is_flag=True, help="Accept pickle (*.bin) weights; pickle can run arbitrary code.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle (or empty folder) at -o.")
 @click.option(
@@ -162,6 +167,7 @@ def build(
     quant_method,
     calib,
     int4_form,
+    memory,
     allow_pickle,
     overwrite,
     sign_key,
@@ -174,10 +180,12 @@ def build(
       edgec build ./SmolLM2-135M-Instruct.Q4_1.gguf --target cpu -o smol.cpu.edgec --context 4096
       edgec build ./SmolLM2-135M-Instruct.Q4_1.gguf -o smol.cpu.edgec --sign release.key
     """
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from edgec.build import STAGES, BuildSettings
+    from edgec.build import BuildSettings
     from edgec.build import build as run_build
+    from edgec.load import quiet_progress_environment
+    from edgec.plan import parse_memory
+
+    quiet_progress_environment()  # before transformers and tqdm are imported; edgec shows its own progress
 
     settings = BuildSettings(
         target=target,
@@ -195,6 +203,7 @@ def build(
         int4_form=int4_form,
         allow_pickle=allow_pickle,
         overwrite=overwrite,
+        memory=parse_memory(memory) if memory is not None else None,
     )
     key = seal = None
     if sign_key is not None:  # read the key before the build: a wrong passphrase should not cost a build
@@ -204,6 +213,27 @@ def build(
 
         def seal(folder: Path) -> None:
             sign_bundle(folder, key)
+
+    from rich.console import Console
+
+    if Console().is_terminal:
+        result = _build_with_bars(model, output, settings, seal)
+    else:  # a log file or a pipe: one plain line per stage (a live bar would be \r-joined noise there)
+        result = run_build(model, output, settings, progress=plain_progress(), seal=seal)
+    validation = result.manifest["validation"]
+    click.echo(
+        f"wrote {output} (validation: top-1 agreement {validation['top1_agreement']:.0%}, "
+        f"max |Δlogit| {validation['max_abs_logit_error']:.2e})" + (f", signed by key {key.key_id}" if key else "")
+    )
+    click.echo("time: " + ", ".join(f"{stage[:-2]} {seconds:.1f} s" for stage, seconds in result.timings.items()))
+
+
+def _build_with_bars(model, output, settings, seal):
+    """The build with rich progress bars (on a terminal): the stages, and a long stage's own steps."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from edgec.build import STAGES
+    from edgec.build import build as run_build
 
     columns = (
         TextColumn("{task.description:<10}"),
@@ -226,12 +256,32 @@ def build(
 
         result = run_build(model, output, settings, progress=advance, seal=seal)
         progress.update(task, description="done", completed=len(STAGES))
-    validation = result.manifest["validation"]
-    click.echo(
-        f"wrote {output} (validation: top-1 agreement {validation['top1_agreement']:.0%}, "
-        f"max |Δlogit| {validation['max_abs_logit_error']:.2e})" + (f", signed by key {key.key_id}" if key else "")
-    )
-    click.echo("time: " + ", ".join(f"{stage[:-2]} {seconds:.1f} s" for stage, seconds in result.timings.items()))
+    return result
+
+
+def plain_progress(echo=None):
+    """A build progress callback that writes plain lines (for logs): each stage as it starts, and a long stage's
+    steps at every tenth of the way, each with the seconds since the build started."""
+    import time
+
+    from edgec.build import STAGES
+
+    echo = echo or click.echo
+    started = time.monotonic()
+    shown: dict[str, int] = {}
+    echo(f"[{0:7.1f} s] starting (checking the settings against the model's config and the target)")
+
+    def advance(stage: str, done: int | None = None, total: int | None = None) -> None:
+        elapsed = f"[{time.monotonic() - started:7.1f} s]"
+        if done is None:
+            echo(f"{elapsed} {stage} ({STAGES.index(stage) + 1}/{len(STAGES)})")
+            return
+        tenth = 10 * done // total if total else 0
+        if shown.get(stage) != tenth or done == total:
+            shown[stage] = tenth
+            echo(f"{elapsed} {stage} {done}/{total or '?'}")
+
+    return advance
 
 
 @main.command()
@@ -242,7 +292,6 @@ def targets() -> None:
     Example:
       edgec targets
     """
-    from rich.console import Console
     from rich.table import Column, Table
 
     from edgec.targets import available_targets, load_target
@@ -261,7 +310,7 @@ def targets() -> None:
             ",".join(t.dtypes),
             "yes" if t.buildable else "plan",
         )
-    Console().print(table)
+    plain_console().print(table)
 
 
 @main.command()
@@ -271,8 +320,15 @@ def targets() -> None:
 @click.option("--weights", type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8", "int4"]), default=None)
 @click.option("--kv", type=click.Choice(["fp32", "fp16", "fp8", "int8", "int4"]), default=None)
 @click.option("--prefill-chunk", type=int, default=None)
-def plan(model, target, context, weights, kv, prefill_chunk) -> None:
-    """Will MODEL fit TARGET, and with which settings? Needs only a config (no weights).
+@click.option(
+    "--memory",
+    default=None,
+    help="The device's memory (6GB, 8GiB, 512MiB) in place of the target's; the target's usable share and "
+    "runtime overhead still apply.",
+)
+def plan(model, target, context, weights, kv, prefill_chunk, memory) -> None:
+    """Will MODEL fit TARGET, and with which settings? Needs only a config (no weights). Ends with the
+    `edgec build` line that builds the plan.
 
     MODEL is a model folder, a config.json, a .gguf, or a bundled config name (llama-2-7b, llama-3-8b,
     smollm2-135m). Settings you give are kept; the others are conceded in order until the plan fits.
@@ -280,18 +336,20 @@ def plan(model, target, context, weights, kv, prefill_chunk) -> None:
     \b
     Example:
       edgec plan llama-3-8b --target rtx3060-laptop --context 16384
+      edgec plan ./SmolLM2-135M-Instruct.Q4_1.gguf --target cpu --memory 2GB
     """
-    from rich.console import Console
     from rich.table import Table
 
+    from edgec.plan import build_command, parse_memory, with_memory
     from edgec.plan import plan as make_plan
 
+    memory_bytes = parse_memory(memory) if memory is not None else None
     shape, chosen = _plan_inputs(model, target, context, weights, kv, prefill_chunk)
-    estimate = make_plan(shape, chosen[0], chosen[1], fixed=chosen[2])
+    estimate = make_plan(shape, with_memory(chosen[0], memory_bytes), chosen[1], fixed=chosen[2])
     table = Table("", "", title=f"{shape.name} on {estimate.target.name}: fits")
     for key, value in estimate.table():
         table.add_row(key, value)
-    console = Console()
+    console = plain_console()
     console.print(table)
     console.print(f"settings: {estimate.settings.describe()}")
     console.print(f"concessions made: {', '.join(estimate.concessions) or 'none'}")
@@ -300,6 +358,19 @@ def plan(model, target, context, weights, kv, prefill_chunk) -> None:
             f"note: context {estimate.settings.context} is beyond the {shape.max_context} tokens "
             f"{shape.name} was trained for"
         )
+    console.print("build it with:")
+    click.echo(build_command(model, estimate, memory))  # one unwrapped line, to copy
+
+
+def plain_console():
+    """A rich Console that never truncates or wraps tables to 80 columns when output goes to a file or a pipe
+    (rich's width when it cannot ask a terminal)."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=10_000)
+    return console
 
 
 def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk):
@@ -324,43 +395,237 @@ def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk):
     return shape, (target, settings, fixed)
 
 
+def generation_options(command):
+    """Options shared by ``run`` and ``chat``: sampling, stop strings, repetition penalty, a chat template."""
+    options = [
+        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-k", type=int, default=0, show_default=True),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=None),
+        click.option("--stop", "stops", multiple=True, help="End the answer where this text appears (repeatable)."),
+        click.option(
+            "--repeat-penalty",
+            type=float,
+            default=1.0,
+            show_default=True,
+            help="> 1 makes tokens already in the prompt or answer less likely (1 = off).",
+        ),
+        click.option(
+            "--chat-template",
+            type=click.Path(path_type=Path),
+            default=None,
+            help="Jinja chat template file (or a tokenizer_config.json holding one) in place of the bundle's; "
+            "gives a base model's bundle a chat format.",
+        ),
+        click.option(
+            "--trust", multiple=True, type=click.Path(path_type=Path), help="Run only if signed by this public key."
+        ),
+        kv_options(at_load=True),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _check_repeat_penalty(value: float) -> None:
+    import math
+
+    if not (math.isfinite(value) and value > 0):
+        raise click.UsageError(f"--repeat-penalty must be a number > 0 (1 = off), got {value}")
+
+
+def _load_for_generation(bundle: Path, trust, chat_template: Path | None, kv_flags: dict):
+    """The bundle loaded for ``run`` / ``chat``, with ``--chat-template`` applied (the file is read before the
+    bundle loads, so a bad path fails at once)."""
+    from edgec.runtime import Model
+
+    template = None
+    if chat_template is not None:
+        from edgec.chat_template import read_chat_template
+
+        template = read_chat_template(chat_template)
+    model = Model.load(bundle, trust=list(trust) or None, **kv_flags)
+    if template is not None:
+        from edgec.chat_template import chat_format_from_template
+
+        model.set_chat_format(chat_format_from_template(template, **model.special_tokens()))
+    return model
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """The prompt from the argument, stdin (``-``) or ``--prompt-file``; one trailing newline (what echo and
+    editors add) is dropped."""
+    if prompt is not None and prompt_file is not None:
+        raise click.UsageError("give the prompt either as an argument or with --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            text = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else type(error).__name__
+            raise click.UsageError(f"cannot read --prompt-file {prompt_file}: {reason}") from None
+        source = f"--prompt-file {prompt_file}"
+    elif prompt == "-":
+        text, source = sys.stdin.read(), "stdin"
+    elif prompt is None:
+        raise click.UsageError("give a PROMPT, - to read it from stdin, or --prompt-file FILE")
+    else:
+        text, source = prompt, "the prompt"
+    text = text[:-1] if text.endswith("\n") else text
+    if not text.strip():
+        raise click.UsageError(f"the prompt is empty ({source})")
+    return text
+
+
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.argument("prompt")
+@click.argument("prompt", required=False)
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="Read the prompt from a file.")
 @click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
-@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat format.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat format (implied by --chat-template).")
 @click.option("--protect", default=None, help="Compressed cache: never evict these prompt tokens (numbers,names).")
-@click.option("--trust", multiple=True, type=click.Path(path_type=Path), help="Run only if signed by this public key.")
-@kv_options(at_load=True)
-def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, protect, trust, **kv_flags) -> None:
-    """Generate text from a bundle, streaming to the terminal.
+@click.option("--quiet", "-q", is_flag=True, help="No speed line on stderr.")
+@generation_options
+def run(
+    bundle,
+    prompt,
+    prompt_file,
+    max_new_tokens,
+    chat,
+    protect,
+    quiet,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    stops,
+    repeat_penalty,
+    chat_template,
+    trust,
+    **kv_flags,
+) -> None:
+    """Generate text from a bundle, streaming to the terminal; then one line on stderr: prompt and decode
+    tokens/s and the time to the first token. PROMPT - reads the prompt from stdin.
 
     \b
     Example:
       edgec run smol.cpu.edgec "Explain KV caches in one sentence." --chat
+      echo "Once upon a time" | edgec run gemma.cpu.edgec - -n 64 --repeat-penalty 1.1 --stop "The End"
+      edgec run gemma.cpu.edgec "Hi!" --chat-template chatml.jinja
       edgec run smol.cpu.edgec "Hello" --trust release.pub
     """
-    from edgec.runtime import Model
+    from edgec.runtime import GenerationStats
 
-    model = Model.load(bundle, trust=list(trust) or None, **kv_flags)
+    _check_repeat_penalty(repeat_penalty)
+    text = _read_prompt(prompt, prompt_file)
+    model = _load_for_generation(bundle, trust, chat_template, kv_flags)
+    stats = GenerationStats()
     pieces = model.generate(
-        prompt,
+        text,
         protect=protect,
-        chat=chat,
+        chat=chat or chat_template is not None,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
         seed=seed,
+        stop=list(stops),
+        repeat_penalty=repeat_penalty,
+        stats=stats,
         stream=True,
     )
     for piece in pieces:
         click.echo(terminal_text(piece), nl=False)
     click.echo()
+    if not quiet:
+        click.echo(stats.line(), err=True)
+
+
+CHAT_HELP = "/reset clears the conversation, /stats shows the last answer's speed, /exit or Ctrl-D quits"
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--system", default=None, help="System message that opens the conversation (kept by /reset).")
+@click.option("--max-new-tokens", "-n", type=int, default=512, show_default=True, help="Per answer.")
+@generation_options
+def chat(
+    bundle, system, max_new_tokens, temperature, top_k, top_p, seed, stops, repeat_penalty, chat_template, trust, **kv
+) -> None:
+    """Talk with a bundle: a multi-turn conversation in the model's chat format, answers streamed.
+
+    In the conversation: /reset clears it, /stats shows the last answer's prompt and decode tokens/s and time
+    to first token, /exit (or Ctrl-D) quits. Each turn reads the whole conversation again (a compressed cache
+    chooses what to keep knowing the newest question).
+
+    \b
+    Example:
+      edgec chat smol.cpu.edgec --system "Answer in one sentence." --repeat-penalty 1.1
+      edgec chat gemma.cpu.edgec --chat-template chatml.jinja --stop "<end_of_turn>"
+    """
+    from edgec.errors import EdgecError, GenerationError
+    from edgec.runtime import GenerationStats
+
+    _check_repeat_penalty(repeat_penalty)
+    model = _load_for_generation(bundle, trust, chat_template, kv)
+    if model.tokenizer.chat_format is None:
+        raise GenerationError(
+            f"{bundle} has no chat format ({model.tokenizer.chat_note}); give one with --chat-template FILE"
+        )
+    opening = [{"role": "system", "content": system}] if system else []
+    history: list[dict] = []
+    last: GenerationStats | None = None
+    click.echo(f"chatting with {one_line(bundle)}; {CHAT_HELP}", err=True)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            click.echo()
+            return
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            return
+        if command == "/reset":
+            history.clear()
+            click.echo("(conversation cleared)", err=True)
+            continue
+        if command == "/stats":
+            click.echo(last.line() if last else "(no answer yet)", err=True)
+            continue
+        if command.startswith("/") and " " not in command:
+            click.echo(f"unknown command {one_line(command)}; {CHAT_HELP}", err=True)
+            continue
+        turn = [*history, {"role": "user", "content": line}]
+        stats = GenerationStats()
+        try:  # the prompt is checked (and may not fit the context) before any token is made
+            pieces = model.generate(
+                messages=opening + turn,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                stop=list(stops),
+                repeat_penalty=repeat_penalty,
+                stats=stats,
+                stream=True,
+            )
+        except EdgecError as error:  # the conversation is kept as it was: /reset, or ask something shorter
+            click.echo(f"error: {one_line(error, 2000)}; /reset starts a new conversation", err=True)
+            continue
+        answer = []
+        try:
+            for piece in pieces:
+                answer.append(piece)
+                click.echo(terminal_text(piece), nl=False)
+        except KeyboardInterrupt:  # Ctrl-C ends this answer, not the conversation
+            pieces.close()
+            click.echo(" (interrupted)", nl=False, err=True)
+        click.echo()
+        # kept without the spaces and newlines around it: the template puts its own between turns
+        history[:] = [*turn, {"role": "assistant", "content": "".join(answer).strip()}]
+        last = stats
 
 
 def terminal_text(text: str) -> str:
@@ -378,7 +643,6 @@ def inspect(bundle) -> None:
     Example:
       edgec inspect smol.cpu.edgec
     """
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
@@ -388,7 +652,7 @@ def inspect(bundle) -> None:
 
     manifest = upgrade_manifest(read_manifest(bundle))
     # build_settings is a record of the build (shown, never relied on); the rest is what the runtime reads
-    console = Console(highlight=False)
+    console = plain_console()
 
     def say(text: str) -> None:  # every string from the manifest is data: no markup, control characters escaped
         console.print(Text(one_line(text, 2000)))

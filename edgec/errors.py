@@ -38,6 +38,10 @@ class BuildError(EdgecError):
     """A build step could not make what the target needs from this model."""
 
 
+class ChatTemplateError(EdgecError):
+    """A chat template file cannot be read, is not valid Jinja, or does not reduce to the runtime's chat format."""
+
+
 def one_line(text: object, limit: int = 400) -> str:
     """Text that may hold anything (a file name, a library's message), made safe for a terminal: control
     characters and line breaks escaped, bounded length."""

@@ -75,6 +75,32 @@ def _set_offline() -> None:
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
+def quiet_progress_environment() -> None:
+    """The environment switches that turn off tqdm and huggingface_hub bars; they count only when set before
+    those libraries are imported, so the CLI sets them first (cheap: nothing is imported)."""
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+
+
+def silence_third_party_progress() -> None:
+    """No tqdm bars from the libraries a build uses (the CLI shows its own progress): in a log they are carriage-
+    return-joined noise. TQDM_DISABLE only counts if set before tqdm is first imported, and transformers' GGUF
+    reader calls plain tqdm (not transformers' switchable one), so that module's tqdm is wrapped as well."""
+    quiet_progress_environment()
+    import functools
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # its logging.tqdm ("Writing model shards", ...)
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without its GGUF reader
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None and not isinstance(bar, functools.partial):
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+
+
 def _supported_names() -> str:
     return ", ".join(sorted(SUPPORTED_MODEL_TYPES))
 
@@ -206,11 +232,9 @@ def load_model(path: str | Path, allow_pickle: bool = False) -> LoadedModel:
     """Load a model folder or GGUF file in fp32, offline."""
     _set_offline()
     info = inspect_source(path, allow_pickle)
+    silence_third_party_progress()
     import torch
     import transformers
-
-    transformers.utils.logging.disable_progress_bar()  # the CLI shows its own progress
-    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF reader uses plain tqdm
 
     path = Path(path)
     if info["kind"] == "gguf":

@@ -15,6 +15,7 @@ context that would fit with every concession made.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from edgec.errors import BuildSettingsError
@@ -23,10 +24,43 @@ from edgec.kvcache.quantize import bytes_per_value
 from edgec.shape import ModelShape, model_shape
 from edgec.targets import Target
 
-__all__ = ["ModelShape", "Settings", "estimate", "model_shape", "plan", "PlanError"]
+__all__ = ["ModelShape", "Settings", "estimate", "model_shape", "parse_memory", "plan", "PlanError", "with_memory"]
 
 WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2.5 / 32}
 GIB = 2**30
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes from a size as people write it: ``6GB`` and ``6G`` are 6·10⁹ bytes, ``8GiB`` is 8·2³⁰, ``512MiB``,
+    ``1.5TB``, a bare number is bytes. BuildSettingsError for anything else, or a size that is not positive."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", str(text), re.IGNORECASE)
+    if not match or (match.group(3) and not match.group(2)):
+        raise BuildSettingsError(f"--memory takes a size such as 6GB, 8GiB or 512MiB, got {text!r}")
+    number, prefix, binary, _ = match.groups()
+    prefix = prefix.lower()
+    scale = 1024 ** "kmgt".index(prefix) * 1024 if binary else _SIZE_UNITS[prefix]
+    size = int(float(number) * scale)
+    if size <= 0:
+        raise BuildSettingsError(f"--memory must be more than 0 bytes, got {text!r}")
+    return size
+
+
+def with_memory(target: Target, memory_bytes: int | None) -> Target:
+    """The target with the device memory given on the command line (``--memory``) in place of its own; its usable
+    share and the runtime's own overhead still apply."""
+    if memory_bytes is None:
+        return target
+    changed = replace(target, memory_bytes=int(memory_bytes))
+    if changed.usable_bytes <= 0:
+        raise BuildSettingsError(
+            f"--memory {memory_bytes / GIB:.2f} GiB leaves nothing usable on {target.name} (it keeps "
+            f"{1 - target.usable_fraction:.0%} for the system and {target.runtime_overhead_bytes / GIB:.2f} GiB for "
+            "the runtime)"
+        )
+    return changed
 
 
 class PlanError(BuildSettingsError):
@@ -176,3 +210,26 @@ def _refusal(best: Estimate) -> str:
         f"{best.model.name} needs {best.total_bytes / GIB:.2f} GiB even with {settings.describe()}; "
         f"{target.name} has {target.usable_bytes / GIB:.2f} GiB usable; {hint}"
     )
+
+
+def build_command(model: str, estimate: Estimate, memory: str | None = None) -> str:
+    """The ``edgec build`` line that builds what ``estimate`` planned, ready to copy. ``model`` as the user named it
+    (a bundled config name becomes a placeholder for the model's folder or .gguf); ``memory``: the --memory text."""
+    import shlex
+    from pathlib import Path
+
+    settings, target = estimate.settings, estimate.target
+    path = Path(model)
+    if path.is_file() and path.suffix.lower() == ".json":  # a config.json: the build reads its folder
+        path = path.parent
+    source = shlex.quote(str(path)) if path.exists() else f"PATH/TO/{model}"
+    words = ["edgec", "build", source, "--target", target.name, "--context", str(settings.context)]
+    words += ["--weights", settings.weights]
+    if settings.prefill_chunk != int(target.defaults.get("prefill_chunk", 512)):
+        words += ["--prefill-chunk", str(settings.prefill_chunk)]
+    if settings.capacity_fraction < 1 or settings.kv != target.defaults.get("kv", "fp32"):
+        # anything but the target's plain cache is the compressed cache: its slot count and storage
+        words += ["--kv-capacity", str(settings.capacity), "--kv-dtype", settings.kv]
+    if memory is not None:
+        words += ["--memory", shlex.quote(memory)]
+    return " ".join([*words, "-o", shlex.quote(f"{estimate.model.name}.{target.name}.edgec")])

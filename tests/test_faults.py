@@ -20,8 +20,8 @@ KILL_AT_STAGE = """
 import os, signal, sys
 from edgec.build import BuildSettings, build
 stage = sys.argv[3]
-def progress(name):
-    if name == stage:
+def progress(name, *steps):  # steps: (done, total) inside a long stage
+    if name == stage and not steps:
         os.kill(os.getpid(), signal.SIGKILL)
 build(sys.argv[1], sys.argv[2], BuildSettings(context=64), progress=progress)
 """

@@ -149,6 +149,8 @@ def test_continuation_scoring_and_capacity_at_load(tmp_path_factory, tiny_llama,
     assert last_state(smaller)["cache.1.k"].shape[2] == 30
     with pytest.raises(ValueError, match="must exceed --kv-sink"):
         Model.load(bundle, kv_capacity=10)
+    with pytest.raises(ValueError, match="--kv-capacity must be a number ≥ 1"):  # 0 is an error, not "the bundle's"
+        Model.load(bundle, kv_capacity=0)
 
 
 def test_run_command_takes_protect_and_capacity(tmp_path_factory, tiny_llama, tiny_bundle):
@@ -166,6 +168,8 @@ def test_run_command_takes_protect_and_capacity(tmp_path_factory, tiny_llama, ti
     result = CliRunner().invoke(main, ["run", str(bundle), "The 3 Rules of Python", "-n", "5", "--kv-capacity", "30"])
     assert result.exit_code == 0, result.output
     assert_clean_failure(CliRunner().invoke(main, ["run", str(bundle), "x", "--protect", "dates"]), "dates")
+    zero = CliRunner().invoke(main, ["run", str(bundle), "x", "--kv-capacity", "0"])
+    assert_clean_failure(zero, "--kv-capacity must be a number ≥ 1, got 0")
     assert_clean_failure(CliRunner().invoke(main, ["run", str(tiny_bundle), "x", "--kv-capacity", "30"]), "no")
 
 

@@ -6,6 +6,6 @@ print(model.generate("The capital of France is", max_new_tokens=16))
 """
 
 from edgec.errors import BundleError, GenerationError, KeyFileError, SignatureError
-from edgec.runtime.model import Model
+from edgec.runtime.model import GenerationStats, Model
 
-__all__ = ["BundleError", "GenerationError", "KeyFileError", "Model", "SignatureError"]
+__all__ = ["BundleError", "GenerationError", "GenerationStats", "KeyFileError", "Model", "SignatureError"]

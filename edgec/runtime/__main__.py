@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from edgec.errors import EdgecError, one_line
-from edgec.runtime import Model
+from edgec.runtime import GenerationStats, Model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
+    parser.add_argument("--stop", action="append", default=[], help="end where this text appears (repeatable)")
+    parser.add_argument("--repeat-penalty", type=float, default=1.0, help="> 1: seen tokens less likely (1 = off)")
     parser.add_argument(
         "--trust",
         action="append",
@@ -27,16 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         model = Model.load(args.bundle, trust=args.trust)
+        stats = GenerationStats()
         for piece in model.generate(
             args.prompt,
             chat=args.chat,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             seed=args.seed,
+            stop=args.stop,
+            repeat_penalty=args.repeat_penalty,
+            stats=stats,
             stream=True,
         ):
             print(piece, end="", flush=True)
         print()
+        print(stats.line(), file=sys.stderr)
     except EdgecError as error:
         print(f"error: {one_line(error, 2000)}", file=sys.stderr)
         return 2

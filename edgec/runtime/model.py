@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import math
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,40 @@ from edgec.kvcache.compression import Compression
 from edgec.kvcache.spec import CacheSpec
 from edgec.runtime.chat import ChatFormat
 from edgec.runtime.protect import Protect, protect_flags
-from edgec.runtime.sampling import choose_token
+from edgec.runtime.sampling import SeenTokens, choose_token, penalize_repeats
 from edgec.runtime.step import Backend, CacheState
 from edgec.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """How fast one generation ran, filled in as it goes (pass one to ``generate(..., stats=...)``). Times are the
+    runtime's own work (prefill, decode steps, token choice), not the caller's time between streamed pieces."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0  # the prefill
+    first_token_seconds: float = 0.0  # from the start of generation to the first token chosen
+    new_tokens: int = 0
+    decode_seconds: float = 0.0  # the steps after the first token (each feeds one token back)
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        steps = self.new_tokens - 1  # the first new token comes from the prefill, not a decode step
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+    def line(self) -> str:
+        """One line for a terminal: prompt and decode speed, time to first token."""
+        return (
+            f"prompt {self.prompt_tokens} tokens, {self.prompt_tokens_per_second:,.1f} tok/s; "
+            f"decode {self.new_tokens} tokens, {self.decode_tokens_per_second:,.1f} tok/s; "
+            f"time to first token {self.first_token_seconds:.3f} s"
+        )
 
 
 class Model:
@@ -40,7 +70,8 @@ class Model:
     it was signed; ``KeyFileError`` (a ``ValueError``) for a trust key file that cannot be read;
     ``GenerationError`` (a ``ValueError``) for bad arguments: empty prompt, token ids outside the vocabulary, a
     prompt longer than the context, negative ``max_new_tokens``, ``temperature`` that is negative or not finite,
-    ``top_p`` outside (0, 1], negative ``top_k``; ``TypeError`` for arguments of the wrong type.
+    ``top_p`` outside (0, 1], negative ``top_k``, ``repeat_penalty`` that is not a finite number > 0;
+    ``TypeError`` for arguments of the wrong type.
     """
 
     def __init__(
@@ -140,6 +171,21 @@ class Model:
             raise BundleError(f"ONNX Runtime cannot load {path}: {one_line(error)}") from None
 
     # --- prompts -----------------------------------------------------------------------------------------
+    def set_chat_format(self, chat_format: ChatFormat) -> None:
+        """Replace the bundle's chat format (or give one to a base model's bundle, which has none) for every later
+        ``chat=True`` / ``messages=`` call. ``edgec.chat_template.chat_format_from_template`` derives one from a
+        Jinja chat template where jinja2 is installed; ``special_tokens()`` gives it ``bos_token``/``eos_token``."""
+        if not isinstance(chat_format, ChatFormat):
+            raise TypeError(f"chat_format must be a ChatFormat, not {type(chat_format).__name__}")
+        self.tokenizer.chat_format = chat_format
+        self.tokenizer.chat_note = "set by the caller"
+
+    def special_tokens(self) -> dict[str, str]:
+        """The text of the bundle's BOS and first EOS token ("" when it has none), as chat templates name them."""
+        generation = self.manifest["generation"]
+        ids = {"bos_token": generation.get("bos_token_id"), "eos_token": (generation["eos_token_ids"] or [None])[0]}
+        return {name: "" if i is None else self.tokenizer.token_strings([i])[0] for name, i in ids.items()}
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
@@ -286,31 +332,58 @@ class Model:
         top_p: float = 1.0,
         seed: int | None = None,
         protect: Protect = None,
+        repeat_penalty: float = 1.0,
+        stats: GenerationStats | None = None,
     ) -> Iterator[int]:
         """Yield new token ids one by one (greedy when temperature is 0); stops at EOS, after
         ``max_new_tokens`` or when the context is full. ``protect`` (a compressed cache only): prompt token
-        indices, a predicate over token strings, or heuristics ``"numbers,names"`` — never evicted."""
+        indices, a predicate over token strings, or heuristics ``"numbers,names"`` — never evicted.
+        ``repeat_penalty`` > 1 makes every token already in the prompt or the output less likely (1 = off; the
+        Hugging Face rule: positive logits divided by it, negative ones multiplied). ``stats``: filled in with
+        token counts and timings as the generation runs."""
         _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+        _check_repeat_penalty(repeat_penalty)
         ids = self._prompt_ids(prompt, messages, chat)
         flags = self._protect_flags(protect, ids)  # bad protect arguments fail here, not at the first next()
-        return self._token_stream(ids, max_new_tokens, temperature, top_k, top_p, seed, flags)
+        sampling = (temperature, top_k, top_p, float(repeat_penalty))
+        return self._token_stream(ids, max_new_tokens, sampling, seed, flags, stats or GenerationStats())
 
-    def _token_stream(self, ids, max_new_tokens, temperature, top_k, top_p, seed, flags) -> Iterator[int]:
+    def _token_stream(self, ids, max_new_tokens, sampling, seed, flags, stats: GenerationStats) -> Iterator[int]:
         if max_new_tokens == 0:
             return
+        temperature, top_k, top_p, repeat_penalty = sampling
         rng = np.random.default_rng(seed)
+        seen = SeenTokens(ids, self.vocab_size, max_new_tokens) if repeat_penalty != 1.0 else None
+
+        def choose(logits: np.ndarray) -> int:
+            if seen is not None:
+                logits = penalize_repeats(logits, seen.ids, repeat_penalty)
+            token = choose_token(logits, temperature, top_k, top_p, rng)
+            if seen is not None:
+                seen.add(token)
+            return token
+
+        stats.prompt_tokens, stats.new_tokens, stats.decode_seconds = len(ids), 0, 0.0
+        started = time.perf_counter()
         with self._state() as state:  # held until the generator is exhausted or closed
             logits = self._prefill(state, ids, all_logits=False, flags=flags)[-1]
+            stats.prompt_seconds = time.perf_counter() - started
+            token = choose(logits)
+            stats.first_token_seconds, stats.new_tokens = time.perf_counter() - started, 1
             position = len(ids)
             step = np.empty(1, np.int64)
-            for produced in range(max_new_tokens):
-                token = choose_token(logits, temperature, top_k, top_p, rng)
+            for produced in range(1, max_new_tokens + 1):
                 yield token
-                if token in self.eos_token_ids or produced + 1 == max_new_tokens or position >= self.context:
+                if token in self.eos_token_ids or produced == max_new_tokens or position >= self.context:
                     return
+                # only the runtime's own work is timed, not the caller's between two tokens
+                step_started = time.perf_counter()
                 step[0] = token
                 logits = state.run(step, position, last_only=True)[-1]
                 position += 1
+                token = choose(logits)
+                stats.decode_seconds += time.perf_counter() - step_started
+                stats.new_tokens += 1
 
     def generate(
         self,
@@ -326,10 +399,13 @@ class Model:
         stop: Sequence[str] | str | None = None,
         stream: bool = False,
         protect: Protect = None,
+        repeat_penalty: float = 1.0,
+        stats: GenerationStats | None = None,
     ) -> str | Iterator[str]:
         """Generate text. ``prompt`` is text or token ids; ``messages`` (or ``chat=True`` with a text prompt)
-        applies the bundle's chat format. ``stop`` strings end generation (not included in the result).
-        With ``stream=True`` returns an iterator of text pieces as they decode."""
+        applies the bundle's chat format. ``stop`` strings end generation (not included in the result; no token
+        is computed after one appears). With ``stream=True`` returns an iterator of text pieces as they decode.
+        ``repeat_penalty`` and ``stats`` as in ``generate_ids``."""
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise GenerationError("stop must be a non-empty string or a list of them")
@@ -343,6 +419,8 @@ class Model:
             top_p=top_p,
             seed=seed,
             protect=protect,
+            repeat_penalty=repeat_penalty,
+            stats=stats,
         )
         pieces = _cut_at_stops(self.tokenizer.stream(t for t in tokens if t not in self.eos_token_ids), stops)
         return pieces if stream else "".join(pieces)
@@ -459,6 +537,13 @@ def _check_sampling(max_new_tokens, temperature, top_k, top_p, seed) -> None:
         raise GenerationError("seed must be a non-negative int or None")
 
 
+def _check_repeat_penalty(repeat_penalty) -> None:
+    if not isinstance(repeat_penalty, (int, float)) or isinstance(repeat_penalty, bool):
+        raise TypeError("repeat_penalty must be a number")
+    if not (math.isfinite(repeat_penalty) and repeat_penalty > 0):
+        raise GenerationError(f"repeat_penalty must be a finite number > 0 (1 = off), got {repeat_penalty}")
+
+
 def _cut_at_stops(pieces: Iterator[str], stops: list[str]) -> Iterator[str]:
     """Pass text through until a stop string appears; hold back just enough to never emit part of one."""
     if not stops:
@@ -466,7 +551,7 @@ def _cut_at_stops(pieces: Iterator[str], stops: list[str]) -> Iterator[str]:
         return
     hold = max(len(s) for s in stops) - 1
     pending = ""
-    for piece in pieces:
+    for piece in pieces:  # pending never grows past the longest stop plus one piece: O(1) work per token
         pending += piece
         hits = [pending.find(s) for s in stops if s in pending]
         if hits:

@@ -44,7 +44,10 @@ class BundleTokenizer:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         if self.chat_format is None:
-            raise GenerationError(f"this bundle has no chat format ({self.chat_note}); pass a plain prompt")
+            raise GenerationError(
+                f"this bundle has no chat format ({self.chat_note}); pass a plain prompt, or give a chat template "
+                "(edgec run/chat --chat-template FILE; Model.set_chat_format)"
+            )
         # the rendered text already carries the template's special tokens (BOS included where it has one)
         return self.encode(self.chat_format.render(messages), add_special_tokens=False)
 
