@@ -231,7 +231,9 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
     progress("export")
     start = time.perf_counter()
     model = export_step(loaded.causal_lm, spec)
-    pass_counts, spec = run_passes(model, plan.passes, plan.options, spec)
+    options = _with_source_blocks(plan, settings, loaded)
+    pass_counts, spec = run_passes(model, plan.passes, options, spec)
+    source_blocks = options.get("int4_weights", {}).get("source")
     timings["export_s"] = time.perf_counter() - start
     del loaded.causal_lm
 
@@ -268,6 +270,8 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
 
     progress("bundle")
     recorded = {**asdict(settings), "kv": plan.kv.to_json() if plan.kv else None}
+    if source_blocks is not None:  # the exact GGUF import: which weights kept the file's own blocks
+        recorded["gguf_blocks"] = source_blocks.record()
     manifest = {
         "edgec_version": __version__,
         "source": loaded.source,
@@ -293,6 +297,19 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
     }
     # timings vary from run to run: reported, but kept out of the (reproducible) bundle
     return BuildResult(write_manifest(folder, manifest), {key: round(value, 2) for key, value in timings.items()})
+
+
+def _with_source_blocks(plan: Plan, settings: BuildSettings, loaded) -> dict[str, dict[str, Any]]:
+    """The passes' options, the int4 pass given the GGUF's own quantized blocks to carry across exactly (the
+    default RTN grid only: AWQ and GPTQ change the weights, and other grids are the user's explicit choice)."""
+    options = plan.options.get("int4_weights")
+    if options is None or options["form"] != "matmulnbits" or settings.quant_method != "rtn":
+        return plan.options
+    if loaded.source.get("kind") != "gguf":
+        return plan.options
+    from edgec.ggufblocks import GgufBlocks
+
+    return {**plan.options, "int4_weights": {**options, "source": GgufBlocks(loaded.source_path)}}
 
 
 def _calibrate(settings: BuildSettings, loaded, plan: Plan, report) -> None:

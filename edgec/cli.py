@@ -228,9 +228,11 @@ def build(
         progress.update(task, description="done", completed=len(STAGES))
     validation = result.manifest["validation"]
     click.echo(
-        f"wrote {output} (validation: top-1 agreement {validation['top1_agreement']:.0%}, "
+        f"wrote {output} (against the source model: top-1 agreement {validation['top1_agreement']:.0%}, "
         f"max |Δlogit| {validation['max_abs_logit_error']:.2e})" + (f", signed by key {key.key_id}" if key else "")
     )
+    if blocks := result.manifest["build_settings"].get("gguf_blocks"):
+        click.echo(f"int4: {blocks['carried_exactly']} of {blocks['weights']} weights keep the GGUF's own blocks")
     click.echo("time: " + ", ".join(f"{stage[:-2]} {seconds:.1f} s" for stage, seconds in result.timings.items()))
 
 
@@ -422,6 +424,11 @@ def inspect(bundle) -> None:
             f"accuracy level {settings.get('accuracy_level')}, embedding {settings.get('embedding_bits', 8)} bits, "
             f"method {settings.get('quant_method', 'rtn')}, form {settings.get('int4_form') or 'the target default'}"
             + (f" (calibration text {settings['calib']})" if settings.get("calib") else "")
+        )
+    if blocks := settings.get("gguf_blocks"):
+        say(
+            f"gguf blocks: {blocks['carried_exactly']} of {blocks['weights']} weights carried exactly "
+            f"(file tensors: {', '.join(f'{n} {t}' for t, n in blocks['tensor_types'].items())})"
         )
     say(
         f"cache: {cache['dtype']}, {len(cache['layers'])} layers, {cache['bytes_per_token']:,} bytes/token, "
