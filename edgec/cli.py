@@ -447,8 +447,13 @@ def inspect(bundle) -> None:
         say(f"sliding-window rings: {rings} layers, {cache['ring_kv_bytes'] / 2**20:,.1f} MiB k+v (fixed)")
     validation = manifest["validation"]
     say(
-        f"validation: top-1 agreement {validation['top1_agreement']:.0%}, "
+        f"validation against the source model: top-1 agreement {validation['top1_agreement']:.0%}, "
         f"max |Δlogit| {validation['max_abs_logit_error']:.2e} on {validation['prompts']} prompts"
+        + (
+            f"; verify --compare holds it to its own recorded logits within {validation['compare_tolerance']:g}"
+            if "compare_tolerance" in validation
+            else ""
+        )
     )
     say(f"chat: {'yes' if manifest['tokenizer']['chat_format'] else 'no'} ({manifest['tokenizer']['chat_note']})")
     try:
