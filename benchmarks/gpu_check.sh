@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Run on a machine with an NVIDIA GPU (sm86/sm89/sm120): loads the TensorRT-RTX engines built here ahead of time,
-# generates, compares with the ONNX Runtime CPU bundle, prints tok/s and VRAM. Prepare bundles first with:
-#   edgec build SMOLLM2.gguf --target rtx3060 -o benchmarks/out/smol.rtx3060.edgec --context 4096   (and rtx4090)
+# The GPU check, on the GPU machine, offline. Make the pack here first (no GPU needed):
+#   python benchmarks/gpu_prepare.py          # → benchmarks/out/gpu-pack/ (bundles, packs with wheels, this script)
+# copy that folder to the GPU machine and run, there:
+#   bash gpu-pack/gpu_check.sh [--budget 450] [--out results.json]
+# It picks the bundles the GPU it finds can run (TensorRT-RTX only on sm75/86/89/120, the engine built for this
+# GPU; ONNX Runtime CUDA anywhere), installs the pack's wheels into a venv of its own, gives each bundle one try
+# and prints a table (results.json beside it). Details: benchmarks/gpu_check.py, docs/BENCHMARKS.md.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-pip install -q -c constraints.txt -e ".[tensorrt-rtx]" 2>/dev/null || pip install -q -e ".[tensorrt-rtx]"
-nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv
-python benchmarks/gpu_check.py "$@"
+here="$(cd "$(dirname "$0")" && pwd)"
+exec "${PYTHON:-python3}" "$here/gpu_check.py" "$@"

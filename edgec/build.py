@@ -13,11 +13,11 @@ import numpy as np
 
 from edgec import __version__
 from edgec.bundle import atomic_folder, write_manifest, write_npz
-from edgec.errors import BuildSettingsError
+from edgec.errors import BuildError, BuildSettingsError
 from edgec.kvcache.compression import Compression
 from edgec.pipeline import Choices, passes_for
 from edgec.shape import ModelShape
-from edgec.targets import ORT_PROVIDERS, Target, load_target
+from edgec.targets import ORT_MIN_VERSIONS, ORT_PROVIDERS, Target, load_target
 
 STAGES = ("load", "calibrate", "export", "save", "validate", "engine", "bundle")
 VALIDATION_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
@@ -74,8 +74,8 @@ def plan_build(settings: BuildSettings, shape: ModelShape, max_context: int | No
     target = load_target(settings.target)
     if not target.buildable:
         raise BuildSettingsError(
-            f"target {target.name} ({target.runtime}) can be planned for (edgec plan) but not built yet; "
-            "the build column of edgec targets says which are"
+            f"target {target.name} ({target.runtime}) can be planned for (edgec plan) but not built yet "
+            f"({target.unbuildable_reason}); the build column of edgec targets says which are"
         )
     context = resolve_context(settings, max_context)
     if settings.prefill_chunk is not None and settings.prefill_chunk < 1:
@@ -257,14 +257,16 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
 
     progress("engine")
     provider = ORT_PROVIDERS.get(target.runtime, "CPUExecutionProvider")
-    runtime = {"library": "onnxruntime", "min_version": "1.20", "providers": [provider]}
+    min_version = ORT_MIN_VERSIONS.get(target.runtime, "1.20")
+    runtime = {"library": "onnxruntime", "min_version": min_version, "providers": [provider]}
     if target.provider_options:
         runtime["provider_options"] = {provider: target.provider_options}
     if target.abilities.engine == "tensorrt-rtx":
         from edgec.trt import build_engine
 
         start = time.perf_counter()
-        engine, runtime = build_engine(folder / "model.onnx", target, max_tokens=prefill_chunk)
+        slots = (plan.kv.capacity, context) if plan.kv else None
+        engine, runtime = build_engine(folder / "model.onnx", target, max_tokens=prefill_chunk, slots=slots)
         (folder / "engine.trt").write_bytes(engine)
         runtime |= {"min_version": runtime["version"], "providers": [], "engine": "engine.trt"}
         timings["engine_s"] = time.perf_counter() - start
@@ -374,6 +376,16 @@ def _write_static_graphs(folder: Path, tokens: int) -> dict[str, Any]:
     return {"decode_file": "decode.onnx", "static_tokens": tokens}
 
 
+def _not_finite_reason(dtype: np.dtype) -> str:
+    if dtype == np.float16:
+        return (
+            "the built graph's logits are not finite on the validation prompts: the model's activations overflow "
+            "fp16 (Gemma 3's residual stream, for one, reaches ~1e5, past fp16's 65,504); build it for a target that "
+            "computes in fp32 (cpu, cpu-portable, openvino-ipc, ascend-910b with --weights fp32)"
+        )
+    return "the built graph's logits are not finite on the validation prompts: the model or its conversion is broken"
+
+
 def _validate(
     folder: Path,
     model_files: dict[str, Any],
@@ -392,7 +404,10 @@ def _validate(
     errors, agree, outputs = [], [], []
     for ids, expected in zip(prompts, reference, strict=True):
         state.reset()
-        logits = state.run(np.asarray(ids, dtype=np.int64), 0, last_only=True)[-1].astype(np.float32)
+        logits = state.run(np.asarray(ids, dtype=np.int64), 0, last_only=True)[-1]
+        if not np.isfinite(logits).all():
+            raise BuildError(_not_finite_reason(logits.dtype))
+        logits = logits.astype(np.float32)
         outputs.append(logits)
         errors.append(float(np.abs(logits - expected).max()))
         agree.append(bool(int(logits.argmax()) == int(expected.argmax())))

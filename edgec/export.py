@@ -142,8 +142,17 @@ def export_step(causal_lm: torch.nn.Module, spec: CacheSpec) -> ir.Model:
             verbose=False,
         )
     model = program.model
+    drop_source_locations(model)
     attach_kv_function(model)
     return model
+
+
+def drop_source_locations(model: ir.Model) -> None:
+    """Remove the exporter's per-node stack traces: they hold the build machine's file paths and the line numbers
+    of edgec's and transformers' sources, so two checkouts of the same release built different bundles from the
+    same inputs (and a bundle told where it was built)."""
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
 
 
 def attach_kv_function(model: ir.Model) -> None:

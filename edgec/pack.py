@@ -6,7 +6,8 @@ unpacking refuses anything else — an added wheel, a replaced script, a member 
       PACK.json            what is inside: every member's size and sha256
       PACK.sig             with --sign: an Ed25519 signature over PACK.json (edgec.signing)
       NAME.edgec/...       the bundle (manifest.json, its files, signature.json when signed)
-      wheels/*.whl         with --wheels: edgec, numpy, onnxruntime, tokenizers for the chosen Python/platform
+      wheels/*.whl         with --wheels: edgec and what the bundle's runtime needs (its extra: numpy, tokenizers
+                           and onnxruntime, or onnxruntime-gpu, tensorrt-rtx, …) for the chosen Python/platform
       requirements.txt     with --wheels: each wheel by path with its sha256
       install.sh           with --wheels: creates .venv, installs exactly those wheels (pip --require-hashes)
 """
@@ -77,16 +78,19 @@ class PackError(EdgecError):
     """Packing could not gather what the archive needs."""
 
 
-def runtime_requirements(signed: bool = False) -> list[str]:
-    """The runtime extra's requirements, as the installed edgec declares them (and the trust extra's for a signed
-    pack, so the deployment can check signatures)."""
-    extras = ('extra == "runtime"', 'extra == "trust"') if signed else ('extra == "runtime"',)
+def runtime_requirements(signed: bool = False, extra: str = "runtime") -> list[str]:
+    """An extra's requirements (``runtime``, or the one a bundle's device needs: ``cuda``, ``tensorrt-rtx``, …), as
+    the installed edgec declares them, and the trust extra's for a signed pack, so the deployment can check
+    signatures."""
+    extras = [f'extra == "{extra}"'] + (['extra == "trust"'] if signed else [])
     requirements = metadata.requires("edgec") or []
     return [r.split(";")[0].strip() for r in requirements if any(e in r for e in extras) and "edgec" not in r]
 
 
-def download_wheels(folder: Path, python: str | None, platform: str | None, signed: bool = False) -> list[str]:
-    """edgec's own wheel (from its source tree) plus the runtime's dependencies for the given Python/platform."""
+def download_wheels(
+    folder: Path, python: str | None, platform: str | None, signed: bool = False, extra: str = "runtime"
+) -> list[str]:
+    """edgec's own wheel (from its source tree) plus ``extra``'s dependencies for the given Python/platform."""
     folder.mkdir(parents=True, exist_ok=True)
     source = Path(__file__).resolve().parents[1]
     if not (source / "pyproject.toml").is_file():
@@ -98,7 +102,7 @@ def download_wheels(folder: Path, python: str | None, platform: str | None, sign
     for tag in compatible_platforms(platform) if platform else []:
         target += ["--platform", tag]
     try:
-        _pip(["download", "-q", "-d", str(folder), *target, *runtime_requirements(signed)])
+        _pip(["download", "-q", "-d", str(folder), *target, *runtime_requirements(signed, extra)])
     except PackError as error:
         raise PackError(f"{error} (for Python {python or 'this one'}, platform {platform or 'this one'})") from None
     return sorted(p.name for p in folder.glob("*.whl"))
@@ -167,7 +171,10 @@ def pack(
         if wheels:
             folder = Path(scratch) / "wheels"
             info |= {"python": python, "platform": platform}
-            info["wheels"] = download_wheels(folder, python, platform, signed=sign is not None)
+            from edgec.runtime.model import runtime_extra  # the bundle's device decides which runtime to carry
+
+            extra = runtime_extra(manifest["runtime"])
+            info["wheels"] = download_wheels(folder, python, platform, signed=sign is not None, extra=extra)
             found: dict[str, bytes | Path] = {wheel: folder / wheel for wheel in info["wheels"]}
             members |= {f"wheels/{wheel}": path for wheel, path in found.items()}
             members[REQUIREMENTS] = requirements_text(found).encode()

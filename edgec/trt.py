@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from edgec.errors import BuildSettingsError
+from edgec.kvcache.spec import SLOT_DIM
 from edgec.targets import Target, capability
 
 EXTRA = "pip install 'edgec[tensorrt-rtx]'"
@@ -24,8 +25,29 @@ def import_tensorrt_rtx():
     return tensorrt_rtx
 
 
-def build_engine(onnx_path: Path, target: Target, max_tokens: int) -> tuple[bytes, dict]:
-    """Serialized engine for ``target``'s compute capability; token dims range over 1..max_tokens (decode is 1)."""
+def dynamic_dims(onnx_path: Path) -> dict[str, list[str | None]]:
+    """Each graph input's dimension names (None for a fixed dimension), read without the weights."""
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    return {value.name: [dim.dim_param or None for dim in value.type.tensor_type.shape.dim] for value in graph.input}
+
+
+def profile_range(dim: str | None, max_tokens: int, slots: tuple[int, int] | None) -> tuple[int, int, int]:
+    """(min, opt, max) of one dynamic dimension: a compressed cache's slot count runs from 1 to the context (a long
+    prompt is read whole before the selection, ``prefill_compress = end``), best at its capacity; every other
+    dynamic dimension counts tokens of one step (1 when decoding, up to the prefill chunk)."""
+    if dim == SLOT_DIM and slots is not None:
+        capacity, context = slots
+        return 1, capacity, context
+    return 1, 1, max_tokens
+
+
+def build_engine(
+    onnx_path: Path, target: Target, max_tokens: int, slots: tuple[int, int] | None = None
+) -> tuple[bytes, dict]:
+    """Serialized engine for ``target``'s compute capability; token dims range over 1..max_tokens (decode is 1);
+    ``slots``: (capacity, context) of a compressed cache's slot dimension."""
     trt = import_tensorrt_rtx()
     major, minor = capability(target)
     sm = getattr(trt.ComputeCapability, f"SM{major}{minor}", None)
@@ -42,15 +64,16 @@ def build_engine(onnx_path: Path, target: Target, max_tokens: int) -> tuple[byte
     config.num_compute_capabilities = 1
     config.set_compute_capability(sm, 0)
     profile = builder.create_optimization_profile()
+    names = dynamic_dims(onnx_path)
     for index in range(network.num_inputs):
         tensor = network.get_input(index)
         shape = list(tensor.shape)
         if -1 in shape:
-            low, best, high = (
-                [1 if d == -1 else d for d in shape],
-                [1 if d == -1 else d for d in shape],
-                [max_tokens if d == -1 else d for d in shape],
-            )
+            ranges = [
+                profile_range(name, max_tokens, slots) if size == -1 else (size, size, size)
+                for size, name in zip(shape, names.get(tensor.name, [None] * len(shape)), strict=True)
+            ]
+            low, best, high = ([r[i] for r in ranges] for i in range(3))
             profile.set_shape(tensor.name, low, best, high)
     config.add_optimization_profile(profile)
     start = time.perf_counter()

@@ -227,6 +227,9 @@ def _gpu_check(target: dict) -> Check:
         )
     except Exception as error:  # no driver or no GPU: it cannot run here
         return Check("gpu", "fail", f"needs an NVIDIA GPU of compute capability {wanted}; none found ({error})")
+    if target.get("runtime") == "ort-cuda":  # ONNX Runtime's graph runs on any GPU from that capability on
+        ok = _version_tuple(have) >= _version_tuple(str(wanted))
+        return Check("gpu", "pass" if ok else "fail", f"this GPU is sm {have}, bundle needs {wanted} or newer")
     return Check("gpu", "pass" if have == str(wanted) else "fail", f"this GPU is sm {have}, bundle built for {wanted}")
 
 

@@ -14,15 +14,19 @@ import onnx_ir as ir
 
 from edgec.kvcache import compressed_function, function
 from edgec.kvcache.compression import Compression
-from edgec.kvcache.spec import PROTECT_INPUT, CacheSpec, LayerCache, StateTensor
+from edgec.kvcache.spec import PROTECT_INPUT, SLOT_DIM, CacheSpec, LayerCache, StateTensor
 from edgec.passes._contract import Pass
 from edgec.passes._graph import take_over
 
-SLOTS = "kv_slots"
+SLOTS = SLOT_DIM
 
 
-def kv_cache(model: ir.Model, spec: CacheSpec, compression: Compression) -> tuple[int, CacheSpec]:
-    """Rewrite in place; returns how many layers now hold a compressed cache, and the new spec."""
+def kv_cache(
+    model: ir.Model, spec: CacheSpec, compression: Compression, data_dependent_shapes: bool = True
+) -> tuple[int, CacheSpec]:
+    """Rewrite in place; returns how many layers now hold a compressed cache, and the new spec.
+    ``data_dependent_shapes=False``: the op's body for compilers that need every shape from the input shapes
+    (``compressed_function.make_function``)."""
     graph = model.graph
     inputs = {value.name: value for value in graph.inputs}
     chosen = [layer for layer in spec.layers if not layer.window or layer.window > compression.capacity]
@@ -39,7 +43,8 @@ def kv_cache(model: ir.Model, spec: CacheSpec, compression: Compression) -> tupl
     for layer in new_spec.layers:
         if layer.layer in nodes:
             _compress(graph, nodes[layer.layer], layer, protect, compression)
-    function_proto = compressed_function.make_function(compression, model.opset_imports.get("", 23), heads)
+    opset = model.opset_imports.get("", 23)
+    function_proto = compressed_function.make_function(compression, opset, heads, data_dependent_shapes)
     ir_function = ir.serde.deserialize_function(function_proto)
     model.functions[ir_function.identifier()] = ir_function
     model.opset_imports[compressed_function.DOMAIN] = compressed_function.OPSET_VERSION

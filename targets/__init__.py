@@ -11,7 +11,8 @@ import tomllib
 from edgec.errors import BuildSettingsError
 
 RUNTIMES = ("ort-cpu", "ort-openvino", "ort-cuda", "ort-cann", "tensorrt-rtx", "tensorrt")
-BUILDABLE_RUNTIMES = ("ort-cpu", "ort-openvino", "ort-cann", "tensorrt-rtx")  # the others: planned for, not built
+# the runtimes edgec builds for (the others are planned for only; a target may also stay plan-only: `plan_only`)
+BUILDABLE_RUNTIMES = ("ort-cpu", "ort-openvino", "ort-cuda", "ort-cann", "tensorrt-rtx")
 # the ONNX Runtime execution provider each ORT runtime asks for (never silently another)
 ORT_PROVIDERS = {
     "ort-cpu": "CPUExecutionProvider",
@@ -19,6 +20,9 @@ ORT_PROVIDERS = {
     "ort-cuda": "CUDAExecutionProvider",
     "ort-cann": "CANNExecutionProvider",
 }
+# the oldest ONNX Runtime each ORT runtime's graphs run on: the first onnxruntime-gpu with CUDA kernels for
+# RMSNormalization-23 and RotaryEmbedding-23 is 1.23 (1.22's would leave them to the CPU); the rest: 1.20
+ORT_MIN_VERSIONS = {"ort-cuda": "1.23"}
 DEVICES = ("cpu", "gpu", "npu")
 DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
 FP8_FROM = (8, 9)  # FP8 tensor cores arrive with Ada (sm89)
@@ -41,6 +45,9 @@ class Abilities:
     weight_forms: tuple[str, ...] = ("qdq",)  # quantized weights: matmulnbits (ORT kernel), qdq (DequantizeLinear)
     zero_points: bool = True  # False: INT4 DequantizeLinear without zero points (symmetric) only
     compressed_cache: bool = False  # builds the compressed cache (--kv-*)
+    # False: every tensor's shape must follow from the input shapes (no If whose branches slice by data, no Slice
+    # ending where the cache's contents say): the compressed op then attends over every slot (TensorRT-RTX)
+    data_dependent_shapes: bool = True
     compute: str = "fp32"  # activations' dtype unless fp32 weights are asked for
     engine: str | None = None  # an engine built ahead of time from the graph
     static_shapes: bool = False  # two fixed-shape graphs (prefill chunk, one-token decode) instead of one dynamic
@@ -61,6 +68,7 @@ class Target:
     optimizations: tuple[str, ...] = ()  # optional graph passes it asks for (fusions); edgec.pipeline orders them
     defaults: dict[str, Any] = field(default_factory=dict)
     provider_options: dict[str, str] = field(default_factory=dict)  # for the execution provider, as ORT takes them
+    plan_only: str | None = None  # why this target is planned for but not built, though its runtime builds elsewhere
 
     @property
     def static_shapes(self) -> bool:
@@ -73,7 +81,12 @@ class Target:
 
     @property
     def buildable(self) -> bool:
-        return self.runtime in BUILDABLE_RUNTIMES
+        return self.runtime in BUILDABLE_RUNTIMES and self.plan_only is None
+
+    @property
+    def unbuildable_reason(self) -> str:
+        """Why ``edgec build`` refuses this target (only meaningful when not ``buildable``)."""
+        return self.plan_only or f"no {self.runtime} build yet"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -128,6 +141,7 @@ def parse_target(name: str, data: dict[str, Any]) -> Target:
             optimizations=tuple(data.get("optimizations", ())),
             defaults=dict(data.get("defaults", {})),
             provider_options={str(k): str(v) for k, v in data.get("provider_options", {}).items()},
+            plan_only=data.get("plan_only"),
         )
     except KeyError as missing:
         raise BuildSettingsError(f"{where} lacks the key {missing}") from None
@@ -148,6 +162,8 @@ def parse_target(name: str, data: dict[str, Any]) -> Target:
         problems.append(f"unknown dtypes {unknown}")
     if target.device == "gpu" and not target.compute_capability:
         problems.append("a gpu target needs compute_capability")
+    if target.plan_only is not None and (not isinstance(target.plan_only, str) or not target.plan_only.strip()):
+        problems.append("plan_only must be a sentence saying why the target is not built")
     if target.provider_options and target.runtime not in ORT_PROVIDERS:
         problems.append(f"provider_options apply to ONNX Runtime targets, not {target.runtime}")
     if "fp8" in target.dtypes and capability(target) < FP8_FROM:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -106,3 +108,14 @@ def test_cpu_passes_on_a_fresh_export(tiny_llama):
     with torch.no_grad():
         want = model(torch.tensor(ids[None])).logits[0].numpy()
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_the_graph_does_not_say_where_it_was_built(exported):
+    """No stack traces: the build machine's paths and edgec's line numbers would make two checkouts of one release
+    build different bundles from the same inputs."""
+    import edgec
+
+    model, _ = exported
+    data = ir.serde.serialize_model(model).SerializeToString()
+    assert str(Path(edgec.__file__).resolve().parents[1]).encode() not in data
+    assert b"pkg.torch.onnx.stack_trace" not in data

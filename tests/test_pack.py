@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import io
+import json
+import shutil
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -94,3 +97,30 @@ def test_pack_with_wheels_installs_and_runs_offline(tiny_bundle, tmp_path):
     assert run.stdout == Model.load(bundle).generate("def f(x):", max_new_tokens=5) + "\n"
     listing = subprocess.run([str(site / ".venv/bin/python"), "-m", "pip", "list"], capture_output=True, text=True)
     assert "torch" not in listing.stdout and "transformers" not in listing.stdout
+
+
+def test_pack_carries_the_runtime_the_bundle_needs(tiny_bundle, tmp_path, monkeypatch):
+    """A CUDA bundle's pack carries onnxruntime-gpu (the `cuda` extra), not the CPU onnxruntime; a TensorRT-RTX
+    bundle's carries tensorrt-rtx. (pip download is stood in for: what matters is what it is asked for.)"""
+    from edgec import pack as pack_module
+
+    asked = []
+
+    def fake_pip(arguments):
+        asked.append(arguments)
+        folder = Path(arguments[arguments.index("-w" if arguments[0] == "wheel" else "-d") + 1])
+        (folder / f"stand_in_{len(asked)}-1.0-py3-none-any.whl").write_bytes(b"wheel")
+
+    monkeypatch.setattr(pack_module, "_pip", fake_pip)
+    for providers, library, wanted, unwanted in (
+        (["CUDAExecutionProvider"], "onnxruntime", " onnxruntime-gpu>=", " onnxruntime>="),
+        ([], "tensorrt_rtx", " tensorrt-rtx>=", " onnxruntime"),
+    ):
+        bundle = shutil.copytree(tiny_bundle, tmp_path / f"{library}.edgec")
+        data = json.loads((bundle / "manifest.json").read_text())
+        data["runtime"] |= {"providers": providers, "library": library}
+        (bundle / "manifest.json").write_text(json.dumps(data))
+        asked.clear()
+        pack(bundle, tmp_path / f"{library}.tar", wheels=True, python="3.12", platform="manylinux_2_28_x86_64")
+        download = " " + " ".join(next(arguments for arguments in asked if arguments[0] == "download"))
+        assert wanted in download and unwanted not in download, download

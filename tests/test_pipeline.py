@@ -28,10 +28,11 @@ EXPECTED = {
     ("openvino-ipc", "int4"): ["fuse_projections", "transposed_weight_gemm", "expand_function_ops", "int4_weights"],
     ("ascend-910b", "fp16"): [*ASCEND, "float16", "static_kv_attention", "inline_functions"],
     ("ascend-910b", "fp32"): [*ASCEND, "static_kv_attention", "inline_functions"],
-    ("rtx3060", "fp16"): [*RTX, "float16"],
-    ("rtx3060", "fp32"): RTX,
-    ("rtx3060", "int4"): [*RTX, "int4_weights", "float16"],
-    ("rtx4090", "fp8"): ["fuse_projections", "fp8", "transposed_weight_gemm", "float16"],
+    # TensorRT-RTX targets inline KVAttention here since the compressed cache came to them (issue 14)
+    ("rtx3060", "fp16"): [*RTX, "float16", "inline_functions"],
+    ("rtx3060", "fp32"): [*RTX, "inline_functions"],
+    ("rtx3060", "int4"): [*RTX, "int4_weights", "float16", "inline_functions"],
+    ("rtx4090", "fp8"): ["fuse_projections", "fp8", "transposed_weight_gemm", "float16", "inline_functions"],
 }
 
 
@@ -51,6 +52,9 @@ def test_the_compressed_cache_comes_first_and_only_where_the_target_builds_it():
     assert _passes("cpu", "fp32", kv) == ["kv_cache", *CPU]
     with pytest.raises(BuildSettingsError, match="static shapes"):
         _passes("ascend-910b", "fp16", kv)
+    assert _passes("rtx3060", "fp16", kv) == ["kv_cache", *RTX, "float16", "inline_functions"]
+    _, options = passes_for(Choices(load_target("rtx3060"), "fp16", 512, kv, {}))
+    assert options["kv_cache"]["data_dependent_shapes"] is False  # the every-slot body TensorRT-RTX builds
 
 
 @pytest.mark.parametrize("target", available_targets())

@@ -17,7 +17,7 @@ from edgec.errors import BundleError
 from edgec.kvcache.spec import CacheSpec
 from edgec.runtime import Model
 from edgec.runtime.backend_ort import open_backend
-from tests.conftest import manifest, pydoc_text
+from tests.conftest import build_settings, manifest, pydoc_text
 from tests.fakes import cudart
 from tests.fakes import tensorrt_rtx as fake_trt
 from tests.test_cli import assert_clean_failure
@@ -120,6 +120,12 @@ def test_no_gpu_is_one_line(rtx_bundle, fake_gpu):
     assert_clean_failure(result, "compute capability 8.6")
 
 
+def test_a_driver_too_old_for_the_cuda_build_is_named(rtx_bundle, fake_gpu):
+    cudart.reset(driver=12080)  # an R570 driver: CUDA 12.8
+    with pytest.raises(BundleError, match=r"supports CUDA 12\.8, the installed TensorRT-RTX needs CUDA 13\.0"):
+        Model.load(rtx_bundle)
+
+
 def test_another_gpu_or_release_is_named(rtx_bundle, fake_gpu):
     cudart.reset(devices=[cudart.cudaDeviceProp(name=b"Fake RTX 4090", major=8, minor=9)])
     with pytest.raises(BundleError, match=r"built for compute capability 8\.6; this GPU \(Fake RTX 4090\) is 8\.9"):
@@ -134,3 +140,76 @@ def test_missing_libraries_name_the_extra(rtx_bundle, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)
     with pytest.raises(BundleError, match=r"pip install 'edgec\[tensorrt-rtx\]'"):
         Model.load(rtx_bundle)
+
+
+@pytest.fixture(scope="module")
+def compressed_rtx_bundle(tmp_path_factory, tiny_llama):
+    out = tmp_path_factory.mktemp("rtx-kv") / "tiny.rtx3060.kv.edgec"
+    settings = build_settings(
+        target="rtx3060", context=128, prefill_chunk=16, kv_capacity=40, kv_window=8, kv_dtype="int8", kv_group=16
+    )
+    build(tiny_llama, out, settings)
+    return out
+
+
+def _on_onnx_runtime(bundle, copy):
+    """The same bundle with its runtime section pointing at ONNX Runtime's CPU provider: the graph the engine was
+    built from, run by the ONNX Runtime backend with the same prompt handling."""
+    import json
+    import shutil
+
+    shutil.copytree(bundle, copy)
+    record = json.loads((copy / "manifest.json").read_text())
+    runtime = record["runtime"]
+    record["runtime"] = {
+        "library": "onnxruntime",
+        "min_version": "1.20",
+        "providers": ["CPUExecutionProvider"],
+        "prefill_chunk": runtime["prefill_chunk"],
+        "protect": runtime["protect"],
+    }
+    (copy / "manifest.json").write_text(json.dumps(record))
+    return Model.load(copy)
+
+
+def _generation_logits(model: Model, ids: list[int], tokens: list[int]) -> list[np.ndarray]:
+    """The logits before each of ``tokens`` when they are generated after ``ids`` (prefill, then one per step)."""
+    with model._state() as state:
+        rows = [model._prefill(state, np.asarray(ids), all_logits=False)[-1].astype(np.float32)]
+        for offset, token in enumerate(tokens[:-1]):
+            rows.append(state.run(np.array([token]), len(ids) + offset, last_only=True)[-1].astype(np.float32))
+    return rows
+
+
+def test_compressed_cache_on_tensorrt_rtx(compressed_rtx_bundle, tiny_llama, tmp_path, fake_gpu):
+    """The compressed cache builds into a TensorRT-RTX engine (int8 slots, every-slot body, fp32 inside) and runs
+    through the backend — a prompt longer than the capacity is read whole into larger device buffers, then
+    selected — giving exactly its graph's tokens; against the fp32 cpu bundle with the same settings, every greedy
+    step picks the same token unless the cpu's top two are closer than fp16 computes (a tie, not a fault)."""
+    record = manifest(compressed_rtx_bundle)
+    assert record["validation"]["top1_agreement"] == 1.0
+    assert all(layer["compressed"] and "score" in layer["state"] for layer in record["cache"]["layers"])
+    _register(compressed_rtx_bundle)
+    model = Model.load(compressed_rtx_bundle)
+    graph = _on_onnx_runtime(compressed_rtx_bundle, tmp_path / "graph.edgec")
+    cpu = tmp_path / "tiny.cpu.kv.edgec"
+    kv = dict(kv_capacity=40, kv_window=8, kv_dtype="int8", kv_group=16)
+    build(tiny_llama, cpu, build_settings(context=128, prefill_chunk=16, **kv))
+    cpu_model = Model.load(cpu)
+    text = pydoc_text()
+    ties = 0
+    for prompt in (text[:60], text[1000:1250]):  # 28 and 123 tokens: evicting while decoding, and a long prompt
+        ids = model.encode(prompt)
+        got = list(model.generate_ids(ids, max_new_tokens=16))
+        assert got == list(graph.generate_ids(ids, max_new_tokens=16))
+        want = list(cpu_model.generate_ids(ids, max_new_tokens=16))
+        # teacher-forced on the cpu's tokens, through the same path as generation (prefill, then one token a step)
+        for step, (ours, theirs) in enumerate(
+            zip(_generation_logits(model, ids, want), _generation_logits(cpu_model, ids, want), strict=True)
+        ):
+            top_two = np.sort(theirs)[-2:]
+            if int(ours.argmax()) != want[step]:
+                ties += 1
+                assert top_two[1] - top_two[0] < 2 * np.abs(ours - theirs).max(), f"step {step} differs, no tie"
+    assert ties <= 2
+    assert not [p for p in cudart.ALLOCATIONS.values() if p.nbytes > 1 << 20]  # the larger prompt state was freed

@@ -167,17 +167,28 @@ def _encode_e4m3(b: Body, y: str) -> str:
 
 
 # --- the body ------------------------------------------------------------------------------------------------
-def make_function(compression: Compression, default_opset: int, heads: Heads) -> onnx.FunctionProto:
+def make_function(
+    compression: Compression, default_opset: int, heads: Heads, data_dependent_shapes: bool = True
+) -> onnx.FunctionProto:
     """The function body for one compression setting and head layout; ``default_opset`` must equal the model's.
 
     Two branches of one ``If``: the general call (any T) and a one-token decode step, which is the same
     meaning with less work — one query needs no causal mask, and its token, always in the recent window, is
     always kept, so it simply takes the weakest slot (ArgMin; the same tie rule as TopK). Decode is the hot
     path: the general branch runs ~220 nodes per layer, the decode branch about half.
+
+    ``data_dependent_shapes=False`` (compilers that must know every shape from input shapes alone: TensorRT-RTX)
+    gives the general branch alone, attending over every slot (empty ones masked) instead of the filled prefix:
+    no ``If`` and no tensor whose shape depends on the cache's contents. The same meaning, more work per step.
     """
     b = Body()
     scale_attr = b.attribute_ref("value_float", "scale", AttributeProto.FLOAT)
     window_attr = b.attribute_ref("value_int", "window", AttributeProto.INT)
+    if not data_dependent_shapes:
+        results = _general(b, compression, scale_attr, window_attr, every_slot=True)
+        for name in outputs(compression):
+            b.nodes.append(helper.make_node("Identity", [results[name]], [name]))
+        return _function(b, compression, default_opset)
     is_decode = b.op("Equal", b.op("Squeeze", b.shape("k", 2)), b.i64(1))
     branches = {}
     for kind in ("decode", "general"):
@@ -200,6 +211,10 @@ def make_function(compression: Compression, default_opset: int, heads: Heads) ->
             else_branch=branches["general"],
         )
     )
+    return _function(b, compression, default_opset)
+
+
+def _function(b: Body, compression: Compression, default_opset: int) -> onnx.FunctionProto:
     return helper.make_function(
         DOMAIN,
         OP_TYPE,
@@ -218,14 +233,22 @@ def _output_type(compression: Compression, name: str) -> int:
     return TensorProto.INT64 if name == "pos_out" else TensorProto.FLOAT
 
 
-def _filled_slots(b: Body, filled: str, capacity: str, compression: Compression):
+def _filled_slots(b: Body, filled: str, capacity: str, compression: Compression, every_slot: bool = False):
     """Attention reads slots [0, active) only, active = the last filled slot + 1: empty slots fill lowest first,
     so while a cache (or the large temporary one of an `end` prompt) fills up, its empty tail costs nothing.
+    ``every_slot``: active = the capacity, a number the shapes give (empty slots are masked all the same).
     Returns active ([1]), a slicer for state tensors, and the dequantized old k and v of those slots."""
-    active = _active(b, filled, capacity)
+    if every_slot:
+        active = capacity
 
-    def active_slots(name: str | None) -> str | None:
-        return None if name is None else b.op("Slice", name, b.i64([0]), active, b.i64([2]))
+        def active_slots(name: str | None) -> str | None:
+            return name
+
+    else:
+        active = _active(b, filled, capacity)
+
+        def active_slots(name: str | None) -> str | None:
+            return None if name is None else b.op("Slice", name, b.i64([0]), active, b.i64([2]))
 
     scales = ("k_scale", "v_scale") if compression.quantized else (None, None)
     old_k = _dequantize(b, active_slots("k_cache"), active_slots(scales[0]), compression)
@@ -240,7 +263,9 @@ def _active(b: Body, filled: str, capacity: str) -> str:
     return b.op("Reshape", b.op("Add", b.op("ReduceMax", filled_at, keepdims=0), b.i64(1)), b.i64([1]))
 
 
-def _general(b: Body, compression: Compression, scale_attr: str, window_attr: str) -> dict[str, str]:
+def _general(
+    b: Body, compression: Compression, scale_attr: str, window_attr: str, every_slot: bool = False
+) -> dict[str, str]:
     """Any number of new tokens: attention with causal masks, pairing, index-ordered writes."""
     policy = policies.get(compression.policy)
     capacity = b.shape("pos", 2)
@@ -250,7 +275,7 @@ def _general(b: Body, compression: Compression, scale_attr: str, window_attr: st
     head_dim = b.shape("q", 3)
 
     filled = b.op("GreaterOrEqual", "pos", b.i64(0))
-    active, active_slots, old_k, old_v = _filled_slots(b, filled, capacity, compression)
+    active, active_slots, old_k, old_v = _filled_slots(b, filled, capacity, compression, every_slot)
 
     # 1. attention over the slots and the new tokens; queries grouped per KV head: [B,Hkv,G·T,D]
     rows_shape = b.op("Concat", b.i64([0]), kv_heads, b.i64([-1]), head_dim, axis=0)

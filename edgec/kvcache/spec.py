@@ -20,6 +20,7 @@ PLAIN_STATE = ("k", "v", "pos")
 COMPRESSED_STATE = ("k", "v", "k_scale", "v_scale", "score", "pos")
 SCALES = ("k_scale", "v_scale")
 PROTECT_INPUT = "protect"
+SLOT_DIM = "kv_slots"  # a compressed layer's slot count: symbolic, the graph runs on any number of slots
 STORAGE_NUMPY = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8, "fp8": np.uint8, "int4": np.uint8}
 FLOAT_NUMPY = {"float32": np.float32, "float16": np.float16}
 

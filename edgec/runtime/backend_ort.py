@@ -13,6 +13,9 @@ A compressed cache whose settings say ``prefill_compress = end`` reads a prompt 
 a larger, temporary state (the graph's slot count is symbolic) and then keeps the best ``capacity`` slots
 per head (``reference.select_slots``) — once per prompt, not per token.
 
+On a GPU provider (CUDA) the state lives in device memory (``StateDevice``): a step copies only the tokens in and
+the logits out, never the cache; resetting, reading and compacting the state go through the same OrtValues.
+
 Static-shape bundles (the CANN targets) hold two graphs over one weights file: ``model.onnx`` takes a chunk of
 exactly ``static_tokens`` tokens, ``decode.onnx`` one token. ``StaticOrtStep`` pads every chunk with tokens at
 position -1 (the graph makes them write nothing) and binds one set of cache buffers to both sessions.
@@ -20,10 +23,13 @@ position -1 (the graph makes them write nothing) and binds one set of cache buff
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import io
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnxruntime as ort
@@ -32,7 +38,23 @@ from edgec.errors import BundleError
 from edgec.kvcache.reference import select_slots
 from edgec.kvcache.spec import PROTECT_INPUT, CacheSpec, StateTensor
 
-StateEntry = tuple[StateTensor, np.ndarray, ort.OrtValue]  # a state tensor, its buffer, that buffer's OrtValue
+StateEntry = tuple[StateTensor, ort.OrtValue]  # a state tensor and the buffer holding it (host or device)
+GPU_PROVIDERS = {"CUDAExecutionProvider": "cuda"}  # providers whose cache state lives in device memory
+
+
+class StateDevice(NamedTuple):
+    """Where a graph's cache state lives: ``cpu``, or a GPU provider's device (``cuda``, device id)."""
+
+    kind: str = "cpu"
+    index: int = 0
+
+    @classmethod
+    def for_providers(cls, providers: list[str], provider_options: dict[str, dict[str, str]] | None) -> StateDevice:
+        kind = GPU_PROVIDERS.get(providers[0])
+        if kind is None:
+            return cls()
+        device_id = (provider_options or {}).get(providers[0], {}).get("device_id", "0")
+        return cls(kind, int(device_id) if str(device_id).isdigit() else 0)
 
 
 def session_options(threads: int | None) -> ort.SessionOptions:
@@ -62,9 +84,17 @@ class OrtGraph:
         exact: bool,
     ) -> None:
         per_provider = [(provider_options or {}).get(name, {}) for name in providers]
+        self.device = StateDevice.for_providers(providers, provider_options)
+        if providers[0] == "CUDAExecutionProvider":
+            check_cuda_can_start()
         self.session = ort.InferenceSession(
             str(model_path), session_options(threads), providers=providers, provider_options=per_provider
         )
+        if providers[0] not in self.session.get_providers():  # ONNX Runtime logs why, then runs on the CPU
+            raise BundleError(
+                f"ONNX Runtime could not start its {providers[0]} here (its own message above says why); "
+                "this bundle does not run on the CPU instead"
+            )
         if note := cpu_fallback_note(self.session, providers[0], model_path.name):
             logging.getLogger("edgec.runtime").warning(note)  # shown by default; an embedding program may route it
         inputs = {value.name for value in self.session.get_inputs()}
@@ -78,9 +108,11 @@ class OrtGraph:
         self.logits_dtype = np.float16 if logits_type == "tensor(float16)" else np.float32
 
 
-def _allocate(spec: CacheSpec, compressed_slots: int | None = None) -> list[StateEntry]:
+def _allocate(spec: CacheSpec, device: StateDevice, compressed_slots: int | None = None) -> list[StateEntry]:
+    """Fresh state on ``device`` (a GPU copy is made once here; steps then update it in place there)."""
     return [
-        (tensor, array, ort.OrtValue.ortvalue_from_numpy(array)) for tensor, array in spec.empty_state(compressed_slots)
+        (tensor, ort.OrtValue.ortvalue_from_numpy(array, device.kind, device.index))
+        for tensor, array in spec.empty_state(compressed_slots)
     ]
 
 
@@ -111,7 +143,7 @@ class OrtCacheState:
         self.compression = self.spec.compression
         self._protected = self.spec.protected
         # a second graph over the same cache (static-shape bundles) binds the same buffers
-        self._state = shared_state if shared_state is not None else _allocate(self.spec)
+        self._state = shared_state if shared_state is not None else _allocate(self.spec, graph.device)
         self._active = self._state  # the state multi-token steps run on (a larger one while reading a prompt)
         # one-token step buffers, bound once
         self._token = np.zeros((1, 1), np.int64)
@@ -126,7 +158,7 @@ class OrtCacheState:
 
     def _binding(self, state, ids, positions, index, protect, logits) -> ort.IOBinding:
         binding = self.session.io_binding()
-        for tensor, _, value in state:
+        for tensor, value in state:
             binding.bind_ortvalue_input(tensor.input, value)
             binding.bind_ortvalue_output(tensor.output, value)
         feeds = {"input_ids": ids, "position_ids": positions, "logits_index": index}
@@ -140,18 +172,18 @@ class OrtCacheState:
         return binding
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {tensor.input: array.copy() for tensor, array, _ in self._state}
+        return {tensor.input: np.array(value.numpy(), copy=True) for tensor, value in self._state}
 
     def close(self) -> None:
-        """Host buffers: freed with the last reference."""
+        """Its buffers (host or device OrtValues) are freed with the last reference."""
 
     def reset(self) -> None:
         """Empty every slot. Only positions need clearing: an empty slot (pos -1) is masked, never scored or
         kept, and whatever finite values it holds are overwritten when it is filled."""
         self._active = self._state
-        for tensor, array, _ in self._state:
+        for tensor, value in self._state:
             if tensor.name == "pos":
-                array.fill(-1)
+                value.update_inplace(np.full(value.shape(), -1, np.int64))
 
     # --- reading a long prompt into a compressed cache ------------------------------------------------------
     def begin_prompt(self, length: int) -> None:
@@ -160,7 +192,7 @@ class OrtCacheState:
         compression = self.compression
         if compression and compression.prefill_compress == "end" and length > compression.capacity:
             # only the compressed layers get larger buffers; the others (sliding-window rings) keep their own
-            larger = {entry[0]: entry for entry in _allocate(self.spec, length)}
+            larger = {entry[0]: entry for entry in _allocate(self.spec, self.graph.device, length)}
             compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
             self._active = [larger[entry[0]] if entry[0].layer in compressed else entry for entry in self._state]
 
@@ -171,17 +203,17 @@ class OrtCacheState:
             return
         compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
         by_layer: dict[int, dict[str, np.ndarray]] = {}
-        for tensor, array, _ in self._active:
+        for tensor, value in self._active:
             if tensor.layer in compressed:
-                by_layer.setdefault(tensor.layer, {})[tensor.name] = array
+                by_layer.setdefault(tensor.layer, {})[tensor.name] = value.numpy()
         capacity = self.compression.capacity
         kept = {
             layer: select_slots(state, self.compression, newest, capacity, last_chunk_start)
             for layer, state in by_layer.items()
         }
-        for tensor, array, _ in self._state:
+        for tensor, value in self._state:
             if tensor.layer in kept:
-                np.copyto(array, kept[tensor.layer][tensor.name])
+                value.update_inplace(np.ascontiguousarray(kept[tensor.layer][tensor.name]))
         self._active = self._state
 
     def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:
@@ -286,6 +318,43 @@ def open_backend(
         return OrtBackend(first, vocab, prefill_chunk)
     decode = OrtGraph(folder / model["decode_file"], spec, providers, threads, provider_options, exact)
     return StaticOrtBackend(first, decode, vocab, int(model["static_tokens"]))
+
+
+def check_cuda_can_start() -> None:
+    """Before ONNX Runtime tries its CUDA provider: one line naming what is missing — no NVIDIA driver or GPU, or a
+    CUDA library the provider loads. (ONNX Runtime itself would log a few lines and quietly run on the CPU.) The
+    CUDA and cuDNN libraries may come as wheels (onnxruntime-gpu[cuda,cudnn]): ONNX Runtime's ``preload_dlls``
+    loads those, and reports each required library it cannot load."""
+    if problem := cuda_driver_problem():
+        raise BundleError(f"this bundle runs on an NVIDIA GPU (ONNX Runtime's CUDAExecutionProvider): {problem}")
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime-gpu ≥ 1.21
+    if preload is None:
+        return
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        preload()
+    if failed := [line for line in report.getvalue().splitlines() if line.startswith("Failed to load ")]:
+        library = failed[0][len("Failed to load ") :].split(":")[0]
+        raise BundleError(
+            f"ONNX Runtime's CUDAExecutionProvider needs {library}, which cannot be loaded here "
+            f"({len(failed)} CUDA librar{'y' if len(failed) == 1 else 'ies'} missing): install the CUDA and cuDNN "
+            f"versions onnxruntime-gpu {ort.__version__} was built for, or pip install 'onnxruntime-gpu[cuda,cudnn]'"
+        )
+
+
+def cuda_driver_problem(load=ctypes.CDLL) -> str | None:
+    """None when the NVIDIA driver is present and sees a GPU; otherwise what is wrong, in words."""
+    try:
+        driver = load("libcuda.so.1")
+    except OSError:
+        return "no NVIDIA driver here (libcuda.so.1 cannot be loaded)"
+    status = driver.cuInit(0)
+    if status != 0:
+        return f"the NVIDIA driver finds no usable GPU (cuInit returned CUDA error {status})"
+    count = ctypes.c_int(0)
+    if driver.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
+        return "the NVIDIA driver reports no GPU"
+    return None
 
 
 def cpu_fallback_note(session: ort.InferenceSession, provider: str, graph: str) -> str | None:

@@ -64,6 +64,13 @@ def find_gpu(cuda: Cuda, wanted: str | None) -> Any:
     """The properties of GPU 0, which must have the engine's compute capability; one line otherwise."""
     needs = f"an NVIDIA GPU of compute capability {wanted}" if wanted else "an NVIDIA GPU"
     error, count = cuda.cudart.cudaGetDeviceCount()
+    driver, runtime = _versions(cuda)
+    if driver and runtime and driver < runtime:  # the installed CUDA runtime is newer than the driver supports
+        raise BundleError(
+            f"the NVIDIA driver here supports CUDA {_cuda_version(driver)}, the installed TensorRT-RTX needs CUDA "
+            f"{_cuda_version(runtime)}: update the driver (R580+ for CUDA 13) or pip install "
+            "'edgec[tensorrt-rtx-cu12]'"
+        )
     if int(error) != 0 or count < 1:
         why = cuda.error_name(error) if int(error) != 0 else "no device"
         raise BundleError(f"this bundle runs on {needs}; none is usable here ({why}: no GPU, or no NVIDIA driver)")
@@ -76,6 +83,19 @@ def find_gpu(cuda: Cuda, wanted: str | None) -> Any:
             "rebuild it for this GPU's target (edgec targets)"
         )
     return properties
+
+
+def _versions(cuda: Cuda) -> tuple[int, int]:
+    """(driver, runtime) CUDA versions as CUDA numbers them (13000 = 13.0); 0 where unknown."""
+    found = []
+    for function in ("cudaDriverGetVersion", "cudaRuntimeGetVersion"):
+        error, *values = getattr(cuda.cudart, function)()
+        found.append(int(values[0]) if int(error) == 0 and values else 0)
+    return found[0], found[1]
+
+
+def _cuda_version(number: int) -> str:
+    return f"{number // 1000}.{number % 1000 // 10}"
 
 
 def runtime_cache_path(engine_sha256: str, properties: Any, library_version: str) -> Path:

@@ -426,10 +426,16 @@ def _backend(
     )
 
 
+def runtime_extra(runtime: dict[str, Any]) -> str:
+    """The edgec extra that installs what a bundle's runtime section asks for (``edgec pack --wheels`` packs it)."""
+    if runtime.get("library") == "tensorrt_rtx":
+        return "tensorrt-rtx"
+    return PROVIDER_EXTRAS.get((runtime.get("providers") or ["CPUExecutionProvider"])[0], "runtime")
+
+
 def install_hint(runtime: dict[str, Any]) -> str:
     """The pip command that installs what a bundle's runtime section asks for."""
-    extra = PROVIDER_EXTRAS.get((runtime.get("providers") or ["CPUExecutionProvider"])[0], "runtime")
-    return f"pip install 'edgec[{extra}]'"
+    return f"pip install 'edgec[{runtime_extra(runtime)}]'"
 
 
 def _check_sampling(max_new_tokens, temperature, top_k, top_p, seed) -> None:

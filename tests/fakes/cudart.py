@@ -43,14 +43,16 @@ class cudaDeviceProp:  # noqa: N801
 
 
 DEVICES: list[cudaDeviceProp] = [cudaDeviceProp()]
+VERSIONS = {"driver": 13000, "runtime": 13000}  # CUDA 13.0 both: the driver supports what the runtime needs
 ALLOCATIONS: dict[int, np.ndarray] = {}  # device pointer → its bytes
 STREAMS: set[int] = set()
 _next_stream = [1]
 
 
-def reset(devices: list[cudaDeviceProp] | None = None) -> None:
-    """A fresh machine (tests call this between cases)."""
+def reset(devices: list[cudaDeviceProp] | None = None, driver: int = 13000) -> None:
+    """A fresh machine (tests call this between cases); ``driver``: the CUDA version the driver supports."""
     DEVICES[:] = [cudaDeviceProp()] if devices is None else devices
+    VERSIONS["driver"] = driver
     ALLOCATIONS.clear()
     STREAMS.clear()
 
@@ -72,7 +74,11 @@ def cudaGetDeviceProperties(device: int):  # noqa: N802
 
 
 def cudaDriverGetVersion():  # noqa: N802
-    return (cudaError_t.cudaSuccess, 13000)
+    return (cudaError_t.cudaSuccess, VERSIONS["driver"])
+
+
+def cudaRuntimeGetVersion():  # noqa: N802
+    return (cudaError_t.cudaSuccess, VERSIONS["runtime"])
 
 
 def cudaMemGetInfo():  # noqa: N802
