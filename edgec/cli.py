@@ -232,7 +232,11 @@ def build(
         f"max |Δlogit| {validation['max_abs_logit_error']:.2e})" + (f", signed by key {key.key_id}" if key else "")
     )
     if blocks := result.manifest["build_settings"].get("gguf_blocks"):
-        click.echo(f"int4: {blocks['carried_exactly']} of {blocks['weights']} weights keep the GGUF's own blocks")
+        level = result.manifest["build_settings"].get("accuracy_level", 4)
+        click.echo(
+            f"int4: {blocks['carried_exactly']} of {blocks['weights']} weights keep the GGUF's own blocks"
+            + ("" if level <= 1 else f" (activations int8 at accuracy level {level}; --accuracy-level 1 is exact)")
+        )
     click.echo("time: " + ", ".join(f"{stage[:-2]} {seconds:.1f} s" for stage, seconds in result.timings.items()))
 
 
