@@ -34,10 +34,17 @@ def weight_bytes(bundle: Path) -> int:
     return sum(path.stat().st_size for path in bundle.glob("model.onnx*"))
 
 
+# for a bundle without a chat format (Gemma-3-270m's GGUF carries no template): the questions as plain text
+CHAT_AS_PLAIN = ["Question: What is the capital of France?\nAnswer:", "Three tips for learning to play the guitar:\n1."]
+
+
 def answers(model) -> list[tuple[str, str, np.ndarray]]:
     """(kind, greedy text, first-step logits) per prompt."""
     out = []
-    for text in CHAT:
+    if model.tokenizer.chat_format is None:
+        for text in CHAT_AS_PLAIN:
+            out.append(("plain", model.generate(text, max_new_tokens=NEW_TOKENS), model.next_token_logits(text)))
+    for text in CHAT if model.tokenizer.chat_format is not None else []:
         messages = [{"role": "user", "content": text}]
         ids = model.tokenizer.encode_chat(messages)
         out.append(("chat", model.generate(messages=messages, max_new_tokens=NEW_TOKENS), model.next_token_logits(ids)))
