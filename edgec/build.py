@@ -178,6 +178,7 @@ def check_fits(plan: Plan, kv_dtype: str) -> None:
         context=plan.context,
         prefill_chunk=plan.prefill_chunk,
         capacity_fraction=capacity / plan.context,
+        kv_group=plan.kv.group if plan.kv else Settings.kv_group,
     )
     memory_plan(plan.shape, plan.target, settings, fixed=frozenset({"weights", "kv", "prefill_chunk", "capacity"}))
 

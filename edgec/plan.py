@@ -18,14 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from edgec.errors import BuildSettingsError
+from edgec.kvcache.compression import Compression
+from edgec.kvcache.quantize import bytes_per_value
 from edgec.shape import ModelShape, model_shape
 from edgec.targets import Target
 
 __all__ = ["ModelShape", "Settings", "estimate", "model_shape", "plan", "PlanError"]
 
 WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2.5 / 32}
-KV_BYTES = {"fp32": 4.0, "fp16": 2.0, "fp8": 1.0 + 4 / 32, "int8": 1.0 + 4 / 32, "int4": 0.5 + 4 / 32}
-SLOT_METADATA_BYTES = 12  # per slot and KV head when compressed: position (int64) + score (float32)
 GIB = 2**30
 
 
@@ -40,6 +40,7 @@ class Settings:
     context: int
     capacity_fraction: float = 1.0
     prefill_chunk: int = 512
+    kv_group: int = Compression.group  # channels per scale of a quantized cache (--kv-group)
 
     @property
     def capacity(self) -> int:
@@ -97,8 +98,13 @@ def estimate(model: ModelShape, target: Target, settings: Settings, concessions:
     # global layers hold `capacity` slots in the chosen KV dtype; a sliding-window layer is a ring of its window
     # plus one prefill chunk in the compute dtype, whatever the context (export.cache_spec_for)
     windows = model.layer_windows()
+    # a slot's bytes come from the cache contract the bundle will carry (CacheSpec sizes slots the same way), so
+    # the plan and the built bundle's `cache.bytes_per_token` cannot disagree
+    compression = Compression(dtype=settings.kv, group=settings.kv_group)
     per_global_slot = model.kv_heads * (
-        2 * model.head_dim * KV_BYTES[settings.kv] + (SLOT_METADATA_BYTES if compressed else 0)
+        compression.bytes_per_slot(model.head_dim)
+        if compressed
+        else 2 * model.head_dim * bytes_per_value(settings.kv, compression.group)
     )
     per_ring_slot = model.kv_heads * (2 * model.head_dim * compute + 8)
     kv = sum(

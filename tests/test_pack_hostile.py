@@ -54,7 +54,7 @@ def make_wheel(folder, name: str, version: str, files: dict[str, str]) -> str:
 def fake_wheels(monkeypatch):
     """pack --wheels with two tiny stand-in wheels instead of the runtime's (no network, seconds not minutes)."""
 
-    def download(folder, python, platform, signed=False):
+    def download(folder, python, platform, signed=False, extra="runtime"):
         folder.mkdir(parents=True, exist_ok=True)
         make_wheel(folder, "goodpkg", "1.0", {"goodpkg/__init__.py": "VALUE = 1\n"})
         make_wheel(folder, "goodhelper", "2.0", {"goodhelper.py": "HELP = 2\n"})

@@ -177,3 +177,27 @@ def test_sliding_window_layers_are_rings_in_the_plan():
     kv = estimate(gemma, target, settings).kv_bytes
     assert kv == 3 * 32768 * 2 * 256 * 4 + 15 * 1024 * (2 * 256 * 4 + 8)
     assert estimate(everything_global, target, settings).kv_bytes > 5 * kv
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_the_plan_sizes_a_compressed_cache_as_the_bundle_does(tiny_llama, tmp_path, kv_dtype):
+    """One memory model: the planner's KV bytes for a compressed cache equal what the built bundle's CacheSpec
+    reports (capacity × cache.bytes_per_token), so `edgec plan` and the bundle cannot disagree."""
+    from edgec.build import build
+    from tests.conftest import build_settings
+
+    out = tmp_path / "kv.edgec"
+    build(
+        tiny_llama,
+        out,
+        build_settings(
+            target="cpu", context=128, prefill_chunk=16, kv_capacity=32, kv_window=8, kv_group=16, kv_dtype=kv_dtype
+        ),
+    )
+    cache = json.loads((out / "manifest.json").read_text())["cache"]
+    planned = estimate(
+        model_shape(tiny_llama),
+        load_target("cpu"),
+        Settings("fp32", kv_dtype, 128, capacity_fraction=32 / 128, kv_group=16),
+    )
+    assert planned.kv_bytes == 32 * cache["bytes_per_token"]
