@@ -37,6 +37,11 @@ EDGEC_BUNDLE = OUT / f"smollm2-cpu-{PRECISION}.edgec"
 EDGEC_VARIANTS = {
     # the default: the GGUF's Q4_1 blocks carried across exactly (MatMulNBits + a per-block offset product)
     "edgec": (EDGEC_BUNDLE, []),
+    # the exact form at fp32 activations (--accuracy-level 1): the GGUF's numbers computed as the fp32 bundle does
+    "edgec-l1": (OUT / f"smollm2-cpu-{PRECISION}-l1.edgec", ["--accuracy-level", "1"]),
+    # the exact form as an earlier edgec built it, for a before/after run: built by hand with that release
+    # (`edgec build … --weights int4 -o benchmarks/out/smollm2-cpu-int4-before.edgec`), never here
+    "edgec-before": (OUT / f"smollm2-cpu-{PRECISION}-before.edgec", None),
     # genai's own int4 layout (symmetric block 32, 4-bit shared table), rounded with AWQ: the like-for-like check
     "edgec-awq": (
         OUT / "smollm2-cpu-int4-awq.edgec",
@@ -80,6 +85,8 @@ def prepare(threads: int, names: list[str]) -> dict:
         bundle, flags = EDGEC_VARIANTS.get(name, (None, []))
         if bundle is None or (bundle / "manifest.json").exists():
             continue
+        if flags is None:
+            sys.exit(f"{name} needs {bundle}, built by hand (see EDGEC_VARIANTS)")
         command = [
             str(Path(sys.executable).parent / "edgec"),
             "build",
@@ -186,7 +193,17 @@ class EdgecAwq64Runner(EdgecRunner):
     name, variant = "edgec int4 awq block 64, zero points, 4-bit table", "edgec-awq64"
 
 
+class EdgecLevel1Runner(EdgecRunner):
+    name, variant = "edgec int4 exact, fp32 activations (--accuracy-level 1)", "edgec-l1"
+
+
+class EdgecBeforeRunner(EdgecRunner):
+    name, variant = "edgec int4 exact, before (the earlier release's build)", "edgec-before"
+
+
 RUNNERS = {
+    "edgec-l1": EdgecLevel1Runner,
+    "edgec-before": EdgecBeforeRunner,
     "edgec": EdgecRunner,
     "edgec-qdq": EdgecQdqRunner,
     "edgec-gptq": EdgecGptqRunner,

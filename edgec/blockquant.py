@@ -10,7 +10,8 @@ arrays or torch tensors alike.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -154,3 +155,154 @@ def unpack(packed: np.ndarray, rows: int) -> np.ndarray:
     n = packed.shape[0]
     values = np.stack([packed & 15, packed >> 4], -1).reshape(n, -1)
     return np.ascontiguousarray(values[:, :rows].T)
+
+
+# --- Exact grids given by a source (a GGUF's quantized blocks) -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GridRows:
+    """Rows of a weight defined exactly by integer codes on per-block grids, as a GGUF's quantized blocks define
+    them: row r, block b, code q (0 .. 2**qbits - 1): value = scale[r, b] · (q - zero) + low[r, b], where
+    scale = step[r, g] · step_factor[r, b] and low = low_sign · low_base[r, g] · low_factor[r, b] (g: the block's
+    group, a K-quant super-block; a factor left out is 1, a low left out is 0). Every stored number is the
+    source's own (fp16 steps and minima, small-integer sub-scales), so the products are exact in fp32."""
+
+    qbits: int  # 4, 5, 6 or 8
+    block_size: int  # inputs per block (32; 16 for Q6_K)
+    zero: int  # the code that stands for 0 (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q8_0: 128, with a minimum: 0)
+    q: np.ndarray  # uint8 [rows, cols]
+    step: np.ndarray  # float16 [rows, groups]
+    step_factor: np.ndarray | None = None  # integer [rows, blocks]
+    low_base: np.ndarray | None = None  # float16 [rows, groups]
+    low_factor: np.ndarray | None = None  # integer [rows, blocks]
+    low_sign: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def blocks(self) -> int:
+        return self.q.shape[1] // self.block_size
+
+    def _per_block(self, base: np.ndarray, factor: np.ndarray | None) -> np.ndarray:
+        per_block = np.repeat(base.astype(np.float64), self.blocks // base.shape[1], axis=1)
+        return per_block if factor is None else per_block * factor
+
+    def scales(self) -> np.ndarray:
+        """float64 [rows, blocks], exact."""
+        return self._per_block(self.step, self.step_factor)
+
+    def lows(self) -> np.ndarray:
+        """float64 [rows, blocks], exact (zeros without a minimum)."""
+        if self.low_base is None:
+            return np.zeros((self.rows, self.blocks))
+        return self.low_sign * self._per_block(self.low_base, self.low_factor)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [rows, cols]: each value computed exactly, rounded once (what the source's own dequantizer
+        gives: its products of an fp16 step, a sub-scale and a code are exact in fp32)."""
+        q = self.q.reshape(self.rows, self.blocks, self.block_size).astype(np.float64) - self.zero
+        values = q * self.scales()[..., None]
+        if self.low_base is not None:  # not adding a zero keeps the sign of a -0.0, as the source's dequantizer
+            values += self.lows()[..., None]
+        return values.reshape(self.rows, -1).astype(np.float32)
+
+    def stored(self) -> dict[str, np.ndarray]:
+        """What a bundle stores for these rows, the source's own numbers at their own width: ``codes`` (the low 4
+        bits of each code packed two per byte, low nibble first, as MatMulNBits reads them: uint8 [rows, blocks,
+        block_size/2]; 8-bit codes as they are: [rows, blocks, block_size]), ``high`` (the bits above the low 4,
+        packed 8/(qbits-4) per byte, lowest first), ``step`` and ``low_base`` (fp16) and the integer factors."""
+        q = self.q.reshape(self.rows, self.blocks, self.block_size)
+        arrays = {"codes": q if self.qbits == 8 else pack(q & 15)}
+        if self.qbits in (5, 6):
+            width = self.qbits - 4
+            per_byte = 8 // width
+            high = (q >> 4).reshape(self.rows, self.blocks, -1, per_byte).astype(np.uint8)
+            arrays["high"] = np.bitwise_or.reduce(high << (width * np.arange(per_byte, dtype=np.uint8)), axis=-1)
+        named = {"step": self.step, "step_factor": self.step_factor}
+        named |= {"low_base": self.low_base, "low_factor": self.low_factor}
+        return arrays | {key: value for key, value in named.items() if value is not None}
+
+    def take(self, rows: np.ndarray) -> GridRows:
+        """These rows only, in this order."""
+        pick = lambda array: None if array is None else array[rows]  # noqa: E731
+        return GridRows(
+            self.qbits,
+            self.block_size,
+            self.zero,
+            self.q[rows],
+            self.step[rows],
+            pick(self.step_factor),
+            pick(self.low_base),
+            pick(self.low_factor),
+            self.low_sign,
+        )
+
+
+class RowSource(Protocol):
+    """Where the exact grids of a build's weights come from (``edgec.ggufblocks.GgufBlocks`` for a GGUF)."""
+
+    def find(self, weight: np.ndarray) -> list[GridRows] | None:
+        """The ``GridRows`` whose rows are the columns of ``weight`` [K, N], in order; None if it has none."""
+
+
+@dataclass(frozen=True)
+class CarriedWeight:
+    """A weight [K, N] (its N columns: the rows of ``segments``, in order) in the form MatMulNBits computes it
+    exactly: ``bits``-wide codes c per block of ``block_size`` inputs, value = (c - 2**(bits-1)) · scale +
+    offset, the offset added by the ``blocksum(A) @ offsets`` product when ``offsets``. 4-bit codes where every
+    segment has 4-bit codes and each block's offset low + (8 - zero) · scale is exact in fp32; otherwise 8-bit
+    codes (code = q + 128 - zero, offset = low: exact by construction)."""
+
+    bits: int
+    block_size: int
+    segments: tuple[GridRows, ...]
+    offsets: bool
+
+    def code_bias(self, segment: GridRows) -> int:
+        """What the graph adds to a segment's codes q to make the kernel's codes."""
+        return 0 if self.bits == 4 else 128 - segment.zero
+
+    def offset_step(self, segment: GridRows) -> int:
+        """How many steps the offset adds back: the kernel subtracts 2**(bits-1), the source ``zero``."""
+        return 8 - segment.zero if self.bits == 4 else 0
+
+    def kernel_numbers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(codes uint8 [N, blocks, block_size], scales float32 [N, blocks], offsets float32 [N, blocks] or None):
+        the numbers the graph computes from what the bundle stores (the reference its folded constants are
+        checked against)."""
+        codes, scales, offsets = [], [], []
+        for segment in self.segments:
+            repeat = segment.block_size // self.block_size
+            codes.append(segment.q.astype(np.int32) + self.code_bias(segment))
+            scale = np.repeat(segment.scales(), repeat, axis=1)
+            scales.append(scale)
+            offsets.append(np.repeat(segment.lows(), repeat, axis=1) + self.offset_step(segment) * scale)
+        n = sum(segment.rows for segment in self.segments)
+        codes = np.concatenate(codes).astype(np.uint8).reshape(n, -1, self.block_size)
+        offsets = np.concatenate(offsets).astype(np.float32) if self.offsets else None
+        return codes, np.concatenate(scales).astype(np.float32), offsets
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [K, N]: the weight as the kernel's numbers define it, each value computed exactly and rounded
+        once (equal bit for bit to the source's dequantization when the import is exact)."""
+        codes, scales, offsets = self.kernel_numbers()
+        values = (codes.astype(np.float64) - 2 ** (self.bits - 1)) * scales[..., None]
+        if offsets is not None:
+            values += offsets[..., None]
+        return values.reshape(codes.shape[0], -1).T.astype(np.float32)
+
+
+def carried_weight(segments: list[GridRows]) -> CarriedWeight:
+    """The MatMulNBits form of a weight whose columns are ``segments``' rows (see ``CarriedWeight``)."""
+    block_size = min(segment.block_size for segment in segments)
+    four_bit = all(segment.qbits == 4 for segment in segments)
+    if four_bit:  # the 4-bit offset adds (8 - zero) steps to the minimum: exact in fp32 for (nearly) every block
+        for segment in segments:
+            exact = segment.lows() + (8 - segment.zero) * segment.scales()
+            four_bit &= bool((exact.astype(np.float32) == exact).all())
+    bits = 4 if four_bit else 8
+    offsets = any(segment.low_base is not None or (bits == 4 and segment.zero != 8) for segment in segments)
+    return CarriedWeight(bits, block_size, tuple(segments), offsets)

@@ -234,11 +234,13 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
     progress("export")
     start = time.perf_counter()
     model = export_step(loaded.causal_lm, spec)
+    options = _with_source_blocks(plan, settings, loaded)
     pass_counts: dict[str, int] = {}
     for done, name in enumerate(plan.passes, 1):  # one at a time, to show progress inside the export stage
-        counts, spec = run_passes(model, [name], plan.options, spec)
+        counts, spec = run_passes(model, [name], options, spec)
         pass_counts.update(counts)
         progress("passes", done, len(plan.passes))
+    source_blocks = options.get("int4_weights", {}).get("source")
     timings["export_s"] = time.perf_counter() - start
     del loaded.causal_lm
 
@@ -256,7 +258,8 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
 
     progress("validate")
     start = time.perf_counter()
-    validation = _validate(folder, model_files, spec, prefill_chunk, prompts, reference_logits)
+    tolerance = compare_tolerance(plan, settings)
+    validation = _validate(folder, model_files, spec, prefill_chunk, prompts, reference_logits, tolerance)
     timings["validate_s"] = time.perf_counter() - start
 
     progress("engine")
@@ -277,6 +280,8 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
 
     progress("bundle")
     recorded = {**asdict(settings), "kv": plan.kv.to_json() if plan.kv else None}
+    if source_blocks is not None:  # the exact GGUF import: which weights kept the file's own blocks
+        recorded["gguf_blocks"] = source_blocks.record()
     manifest = {
         "edgec_version": __version__,
         "source": loaded.source,
@@ -302,6 +307,19 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
     }
     # timings vary from run to run: reported, but kept out of the (reproducible) bundle
     return BuildResult(write_manifest(folder, manifest), {key: round(value, 2) for key, value in timings.items()})
+
+
+def _with_source_blocks(plan: Plan, settings: BuildSettings, loaded) -> dict[str, dict[str, Any]]:
+    """The passes' options, the int4 pass given the GGUF's own quantized blocks to carry across exactly (the
+    default RTN grid only: AWQ and GPTQ change the weights, and other grids are the user's explicit choice)."""
+    options = plan.options.get("int4_weights")
+    if options is None or options["form"] != "matmulnbits" or settings.quant_method != "rtn":
+        return plan.options
+    if loaded.source.get("kind") != "gguf":
+        return plan.options
+    from edgec.ggufblocks import GgufBlocks
+
+    return {**plan.options, "int4_weights": {**options, "source": GgufBlocks(loaded.source_path)}}
 
 
 def _calibrate(settings: BuildSettings, loaded, plan: Plan, report) -> None:
@@ -382,26 +400,44 @@ def _validate(
     prefill_chunk: int,
     prompts: list[list[int]],
     reference: list[np.ndarray],
+    tolerance: float,
 ) -> dict[str, Any]:
-    """Run the saved graph(s) on the validation prompts and compare with the source model's logits."""
+    """Run the saved graph(s) on the validation prompts. Two records: the bundle's own logits (its reference:
+    ``edgec verify --compare`` reruns the prompts and must reproduce them within ``tolerance``) and the error
+    against the source model's logits (a property of the quantization, shown, never a failure)."""
     from edgec.runtime.backend_ort import open_backend
 
     state = open_backend(folder, model_files, spec, prefill_chunk, providers=["CPUExecutionProvider"]).open_state()
-    errors, agree = [], []
+    errors, agree, outputs = [], [], []
     for ids, expected in zip(prompts, reference, strict=True):
         state.reset()
         logits = state.run(np.asarray(ids, dtype=np.int64), 0, last_only=True)[-1]
         if not np.isfinite(logits).all():
             raise BuildError(_not_finite_reason(logits.dtype))
-        errors.append(float(np.abs(logits.astype(np.float32) - expected).max()))
+        logits = logits.astype(np.float32)
+        outputs.append(logits)
+        errors.append(float(np.abs(logits - expected).max()))
         agree.append(bool(int(logits.argmax()) == int(expected.argmax())))
     arrays = {f"ids_{i}": np.asarray(p, np.int64) for i, p in enumerate(prompts)}
     arrays |= {f"logits_{i}": r for i, r in enumerate(reference)}
+    arrays |= {f"bundle_logits_{i}": logits for i, logits in enumerate(outputs)}
     write_npz(folder / "validation.npz", arrays)
     return {
         "prompts": len(prompts),
         "max_abs_logit_error": max(errors),
         "top1_agreement": sum(agree) / len(agree),
         "validated_with": "ONNX Runtime CPU, on model.onnx (the graph any engine in the bundle was built from)",
-        "reference": "validation.npz (token ids and the source model's last-position logits)",
+        "reference": "validation.npz (token ids; the source model's and the bundle's own last-position logits)",
+        "compare_tolerance": tolerance,
     }
+
+
+def compare_tolerance(plan: Plan, settings: BuildSettings) -> float:
+    """How far ``edgec verify --compare`` lets a bundle's logits move from the ones it recorded at build: the same
+    graph on another machine's kernels. fp32 arithmetic: summation order only; int8 activations (accuracy level
+    ≥ 2 with quantized weights): a rounding of an activation may go the other way; fp16: both."""
+    if plan.weights == "fp16" or (plan.target.abilities.compute == "fp16" and plan.weights != "fp32"):
+        return 5e-2
+    if plan.weights in ("int4", "int8") and settings.accuracy_level >= 2:
+        return 1e-2
+    return 1e-3

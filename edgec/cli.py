@@ -222,9 +222,15 @@ def build(
         result = run_build(model, output, settings, progress=plain_progress(), seal=seal)
     validation = result.manifest["validation"]
     click.echo(
-        f"wrote {output} (validation: top-1 agreement {validation['top1_agreement']:.0%}, "
+        f"wrote {output} (against the source model: top-1 agreement {validation['top1_agreement']:.0%}, "
         f"max |Δlogit| {validation['max_abs_logit_error']:.2e})" + (f", signed by key {key.key_id}" if key else "")
     )
+    if blocks := result.manifest["build_settings"].get("gguf_blocks"):
+        level = result.manifest["build_settings"].get("accuracy_level", 4)
+        click.echo(
+            f"int4: {blocks['carried_exactly']} of {blocks['weights']} weights keep the GGUF's own blocks"
+            + ("" if level <= 1 else f" (activations int8 at accuracy level {level}; --accuracy-level 1 is exact)")
+        )
     click.echo("time: " + ", ".join(f"{stage[:-2]} {seconds:.1f} s" for stage, seconds in result.timings.items()))
 
 
@@ -687,6 +693,11 @@ def inspect(bundle) -> None:
             f"method {settings.get('quant_method', 'rtn')}, form {settings.get('int4_form') or 'the target default'}"
             + (f" (calibration text {settings['calib']})" if settings.get("calib") else "")
         )
+    if blocks := settings.get("gguf_blocks"):
+        say(
+            f"gguf blocks: {blocks['carried_exactly']} of {blocks['weights']} weights carried exactly "
+            f"(file tensors: {', '.join(f'{n} {t}' for t, n in blocks['tensor_types'].items())})"
+        )
     say(
         f"cache: {cache['dtype']}, {len(cache['layers'])} layers, {cache['bytes_per_token']:,} bytes/token, "
         f"{cache['total_bytes'] / 2**20:,.1f} MiB at full capacity"
@@ -704,8 +715,13 @@ def inspect(bundle) -> None:
         say(f"sliding-window rings: {rings} layers, {cache['ring_kv_bytes'] / 2**20:,.1f} MiB k+v (fixed)")
     validation = manifest["validation"]
     say(
-        f"validation: top-1 agreement {validation['top1_agreement']:.0%}, "
+        f"validation against the source model: top-1 agreement {validation['top1_agreement']:.0%}, "
         f"max |Δlogit| {validation['max_abs_logit_error']:.2e} on {validation['prompts']} prompts"
+        + (
+            f"; verify --compare holds it to its own recorded logits within {validation['compare_tolerance']:g}"
+            if "compare_tolerance" in validation
+            else ""
+        )
     )
     say(f"chat: {'yes' if manifest['tokenizer']['chat_format'] else 'no'} ({manifest['tokenizer']['chat_note']})")
     try:

@@ -68,6 +68,7 @@ class LoadedModel:
     tokenizer: Any  # transformers PreTrainedTokenizerFast
     config: Any
     source: dict[str, Any] = field(default_factory=dict)
+    source_path: Path | None = None  # the model folder or GGUF file it was loaded from
 
 
 def _set_offline() -> None:
@@ -258,7 +259,9 @@ def load_model(path: str | Path, allow_pickle: bool = False) -> LoadedModel:
     config = causal_lm.config
     check_model_type(config.model_type, getattr(config, "architectures", None))
     check_model_features(config.to_dict())
-    return LoadedModel(causal_lm=causal_lm, tokenizer=tokenizer, config=config, source=_source_record(info, config))
+    return LoadedModel(
+        causal_lm=causal_lm, tokenizer=tokenizer, config=config, source=_source_record(info, config), source_path=path
+    )
 
 
 def _source_record(info: dict[str, Any], config) -> dict[str, Any]:

@@ -85,7 +85,13 @@ SCHEMA_V1: dict[str, Any] = {
     "tokenizer": {"file": str, "chat_format": (dict, type(None)), "chat_note": str},
     "generation": {"eos_token_ids": [int], "bos_token_id": (int, type(None))},
     "passes?": dict,
-    "validation": {"prompts": int, "max_abs_logit_error": NUMBER, "top1_agreement": NUMBER, "reference": str},
+    "validation": {
+        "prompts": int,
+        "max_abs_logit_error": NUMBER,
+        "top1_agreement": NUMBER,
+        "reference": str,
+        "compare_tolerance?": NUMBER,  # verify --compare: how far the bundle may move from its own recorded logits
+    },
     "files": dict,
 }
 # v2: the runtime reads only the runtime, model, cache, tokenizer and generation sections; build_settings is a
@@ -142,6 +148,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "validation.prompts": (0, 64),
     "validation.max_abs_logit_error": (0, 1e30),
     "validation.top1_agreement": (0, 1),
+    "validation.compare_tolerance": (0, 1e6),
     "files#": (1, 10_000),
     "files.*.size": (0, 2**44),
 }

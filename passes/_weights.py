@@ -9,8 +9,19 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from edgec.blockquant import quantize_blocks, quantize_blocks_zero_point, quantize_weight, unpack
+from edgec.blockquant import (
+    CarriedWeight,
+    GridRows,
+    RowSource,
+    carried_weight,
+    quantize_blocks,
+    quantize_blocks_zero_point,
+    quantize_weight,
+    unpack,
+)
 from edgec.passes._graph import constant, constant_weight_matmuls, take_over
+
+FLOAT = ir.DataType.FLOAT
 
 
 def dequantize_linear(model: ir.Model, block_size: int, symmetric: bool) -> None:
@@ -82,12 +93,21 @@ def gather_block_quantized(model: ir.Model, block_size: int) -> None:
             graph.initializers.pop(table.name)
 
 
-def shared_embedding(model: ir.Model, block_size: int, symmetric: bool, accuracy_level: int, bits: int) -> None:
+def shared_embedding(
+    model: ir.Model,
+    block_size: int,
+    symmetric: bool,
+    accuracy_level: int,
+    bits: int,
+    source: RowSource | None = None,
+) -> None:
     """A tied lm_head and its embedding table become ONE quantized table, read by the lm_head's MatMulNBits and by a
-    GatherBlockQuantized (as onnxruntime-genai's ``shared_embeddings``), so it is stored once. 8 bits (absmax/127:
-    exact for a GGUF's Q8_0 table) or 4 bits (integer zero points unless ``symmetric``; both kernels read them fast).
-    The gather reads the packed weight and the scales through Reshape: ONNX Runtime folds those into copies before
-    MatMulNBits pre-packs (and may release) its own inputs — sharing the scales directly gives wrong results."""
+    GatherBlockQuantized (as onnxruntime-genai's ``shared_embeddings``), so it is stored once. A table ``source``
+    defines exactly (a GGUF's, see ``carried_inputs``) keeps its own codes, steps and minima; otherwise 8 bits
+    (absmax/127: exact for a Q8_0 table) or 4 bits (integer zero points unless ``symmetric``; both kernels read
+    them fast). The gather reads the packed weight and the scales through Reshape: ONNX Runtime folds those into
+    copies before MatMulNBits pre-packs (and may release) its own inputs — sharing the scales directly gives wrong
+    results."""
     graph = model.graph
     output_layer = _output_projection(graph)
     weight = output_layer.inputs[1] if output_layer is not None else None
@@ -98,29 +118,42 @@ def shared_embedding(model: ir.Model, block_size: int, symmetric: bool, accuracy
     rows, columns = table.shape if table is not None else (0, 0)
     if not gathers or columns % block_size:
         return
-    array, blocks = weight.const_value.numpy(), columns // block_size
-    zero_points = None
-    if bits == 8:
-        packed, scales, _ = quantize_blocks(array, block_size, symmetric=True, bits=8)
-        gather_zero_points = np.full((rows, blocks), 128, np.uint8)  # explicit: MatMulNBits' default, 2**(bits-1)
-    elif symmetric:
-        packed, scales, _ = quantize_blocks(array, block_size, symmetric=True)
-        gather_zero_points = None  # GatherBlockQuantized's default for 4 bits is 8, like MatMulNBits'
+    array = weight.const_value.numpy()
+    segments = source.find(array) if source is not None else None
+    if segments is not None:
+        carried = carried_weight(segments)
+        bits, block_size = carried.bits, carried.block_size
+        prepare = ir.tape.Tape(graph_like=graph)  # constants only: placed before the first gather reads them
+        data, scale, offsets = carried_inputs(graph, prepare, table.name, carried)
+        graph.insert_before(gathers[0], prepare.nodes)
+        zero = gather_zero = None  # the kernels' defaults (2**(bits-1)); 8-bit codes are q + 128 - zero
     else:
-        # grid-aware (a table GPTQ rounded is carried exactly), in the integer-zero-point form both kernels read
-        packed, scales, offsets, zero_points = quantize_weight(array, block_size, symmetric=False)
-        if offsets is not None:  # on grids, but not with integer zero points (a Q4_1 table): round to nearest
-            packed, scales, zero_points = quantize_blocks_zero_point(array, block_size)
-        gather_zero_points = zero_points
-    data = constant(graph, f"{table.name}.q{bits}", packed)
-    scale = constant(graph, f"{table.name}.scales", scales)
-    zero = constant(graph, f"{table.name}.zero_points", zero_points) if zero_points is not None else None
+        blocks, zero_points, offsets = columns // block_size, None, None
+        if bits == 8:
+            packed, scales, _ = quantize_blocks(array, block_size, symmetric=True, bits=8)
+        elif symmetric:
+            packed, scales, _ = quantize_blocks(array, block_size, symmetric=True)
+        else:
+            # grid-aware (a table GPTQ rounded is carried exactly), in the integer-zero-point form both kernels read
+            packed, scales, offsets_array, zero_points = quantize_weight(array, block_size, symmetric=False)
+            if offsets_array is not None:  # on grids, but not with integer zero points: round to nearest
+                packed, scales, zero_points = quantize_blocks_zero_point(array, block_size)
+        data = constant(graph, f"{table.name}.q{bits}", packed)
+        scale = constant(graph, f"{table.name}.scales", scales)
+        zero = constant(graph, f"{table.name}.zero_points", zero_points) if zero_points is not None else None
+        gather_zero = zero
+    blocks = columns // block_size
     tape = ir.tape.Tape(graph_like=graph)
-    logits = tape.op(
-        "MatMulNBits",
-        [output_layer.inputs[0], data, scale] + ([zero] if zero is not None else []),
-        attributes=_matmul_nbits_attributes(columns, rows, bits, block_size, accuracy_level),
-        domain="com.microsoft",
+    logits = _nbits_product(
+        graph,
+        tape,
+        output_layer.inputs[0],
+        data,
+        scale,
+        zero,
+        offsets,
+        (columns, rows, bits, block_size),
+        accuracy_level,
     )
     graph.insert_before(output_layer, tape.nodes)
     take_over(output_layer.outputs[0], logits)
@@ -128,17 +161,30 @@ def shared_embedding(model: ir.Model, block_size: int, symmetric: bool, accuracy
     graph.initializers.pop(weight.name)
     data_shape = constant(graph, f"{table.name}.rows_shape", np.array([rows, columns * bits // 8]))
     scales_shape = constant(graph, f"{table.name}.scales_shape", np.array([rows, blocks]))
-    if gather_zero_points is not None and gather_zero_points is not zero_points:
-        zero = constant(graph, f"{table.name}.gather_zero_points", gather_zero_points)
+    if bits == 8 and gather_zero is None:  # explicit: GatherBlockQuantized's 8-bit default is not MatMulNBits' 128
+        tape = ir.tape.Tape(graph_like=graph)
+        gather_zero = _filled(graph, tape, f"{table.name}.gather_zero_points", (rows, blocks), 128)
+        graph.insert_before(gathers[0], tape.nodes)
     for node in gathers:
         tape = ir.tape.Tape(graph_like=graph)
         inputs = [tape.op("Reshape", [data, data_shape]), node.inputs[1], tape.op("Reshape", [scale, scales_shape])]
         rows_out = tape.op(
             "GatherBlockQuantized",
-            inputs + ([zero] if zero is not None else []),
+            inputs + ([gather_zero] if gather_zero is not None else []),
             attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": block_size, "bits": bits},
             domain="com.microsoft",
         )
+        if offsets is not None:  # each gathered row gets its blocks' offsets: [.., blocks] → [.., columns]
+            row_offsets = tape.op(
+                "Gather", [tape.op("Transpose", [offsets], attributes={"perm": [1, 0]}), node.inputs[1]]
+            )
+            widths = _shared(graph, f"block_widths.{block_size}", np.array([1, 1, 1, block_size]))
+            spread = tape.op(
+                "Expand", [tape.op("Unsqueeze", [row_offsets, _shared(graph, "axis.last", np.array([-1]))]), widths]
+            )
+            rows_out = tape.op(
+                "Add", [rows_out, tape.op("Reshape", [spread, _shared(graph, "shape.keep2", np.array([0, 0, -1]))])]
+            )
         graph.insert_before(node, tape.nodes)
         take_over(node.outputs[0], rows_out)
         graph.remove(node, safe=True)
@@ -227,55 +273,249 @@ def _transposed_copy(model: ir.Model, source: ir.Value) -> ir.Value:
     return transposed
 
 
-def matmul_nbits(model: ir.Model, block_size: int, symmetric: bool, accuracy_level: int, bits: int) -> None:
-    """Every MatMul with a constant fp32 weight → MatMulNBits at ``bits`` (the lm_head at 8)."""
+def matmul_nbits(
+    model: ir.Model,
+    block_size: int,
+    symmetric: bool,
+    accuracy_level: int,
+    bits: int,
+    source: RowSource | None = None,
+) -> int:
+    """Every MatMul with a constant fp32 weight → MatMulNBits at ``bits`` (the lm_head at 8); a weight ``source``
+    defines exactly (a GGUF's) keeps its own numbers (``carried_inputs``). Returns how many were carried."""
     weight_bits = bits
     graph = model.graph
     output_layer = _output_projection(graph)
+    carried_count = 0
     for node, weight in constant_weight_matmuls(graph):
         array = weight.const_value.numpy()
         k, n = array.shape
         x = node.inputs[0]
-        # the lm_head (like the embedding) is the most sensitive matrix: 8 bits (GGUFs keep it at Q8_0 or better)
-        bits = 8 if node is output_layer else weight_bits
-        # the offset product needs whole blocks; otherwise the weight is symmetric
-        whole = k % block_size == 0
-        if bits == 8:
-            packed, scales, offsets, zero_points = *quantize_blocks(array, block_size, True, bits=8), None
-        else:
-            packed, scales, offsets, zero_points = quantize_weight(array, block_size, symmetric or not whole)
-        inputs = [x, constant(graph, f"{weight.name}.q{bits}", packed)]
-        inputs.append(constant(graph, f"{weight.name}.scales", scales))
-        if zero_points is not None:
-            inputs.append(constant(graph, f"{weight.name}.zero_points", zero_points))
         tape = ir.tape.Tape(graph_like=graph)
-        result = tape.op(
-            "MatMulNBits",
-            inputs,
-            attributes=_matmul_nbits_attributes(k, n, bits, block_size, accuracy_level),
-            domain="com.microsoft",
-        )
-        if offsets is not None:
-            blocks = k // block_size
-            # blocksum(A) as a product with a 0/1 block indicator [K, blocks]: one small MatMul, where Reshape +
-            # ReduceSum cost ~3x more per step (the Reshape copies A, which MatMulNBits also reads)
-            name = f"blocksum.{k}x{block_size}"
-            indicator = graph.initializers.get(name) or constant(
-                graph, name, np.repeat(np.eye(blocks, dtype=np.float32), block_size, axis=0)
-            )
-            sums = tape.op("MatMul", [x, indicator])
-            table = constant(graph, f"{weight.name}.offsets", offsets.reshape(n, blocks).T.copy())
-            result = tape.op("Add", [result, tape.op("MatMul", [sums, table])])
+        segments = source.find(array) if source is not None else None
+        if segments is not None:
+            carried = carried_weight(segments)
+            codes, scales, offsets = carried_inputs(graph, tape, weight.name, carried)
+            shape = (k, n, carried.bits, carried.block_size)
+            result = _nbits_product(graph, tape, x, codes, scales, None, offsets, shape, accuracy_level)
+            carried_count += 1
+        else:
+            # the lm_head (like the embedding) is the most sensitive matrix: 8 bits (GGUFs keep it at Q8_0 or better)
+            bits = 8 if node is output_layer else weight_bits
+            # the offset product needs whole blocks; otherwise the weight is symmetric
+            whole = k % block_size == 0
+            if bits == 8:
+                packed, scales, offsets, zero_points = *quantize_blocks(array, block_size, True, bits=8), None
+            else:
+                packed, scales, offsets, zero_points = quantize_weight(array, block_size, symmetric or not whole)
+            codes = constant(graph, f"{weight.name}.q{bits}", packed)
+            zero = constant(graph, f"{weight.name}.zero_points", zero_points) if zero_points is not None else None
+            if offsets is not None:
+                offsets = constant(graph, f"{weight.name}.offsets", offsets.reshape(n, -1).T.copy())
+            scales = constant(graph, f"{weight.name}.scales", scales)
+            shape = (k, n, bits, block_size)
+            result = _nbits_product(graph, tape, x, codes, scales, zero, offsets, shape, accuracy_level)
         graph.insert_before(node, tape.nodes)
         take_over(node.outputs[0], result)
         graph.remove(node, safe=True)
         if not weight.uses():
             graph.initializers.pop(weight.name)
     model.opset_imports.setdefault("com.microsoft", 1)
+    return carried_count
+
+
+def _nbits_product(
+    graph: ir.Graph,
+    tape: ir.tape.Tape,
+    x: ir.Value,
+    codes: ir.Value,
+    scales: ir.Value,
+    zero_points: ir.Value | None,
+    offsets: ir.Value | None,
+    shape: tuple[int, int, int, int],
+    accuracy_level: int,
+) -> ir.Value:
+    """x @ W for W given as MatMulNBits' inputs (codes [N, blocks, bytes], scales [N·blocks], zero points) plus,
+    where a block's minimum is not on its integer grid, ``blocksum(x) @ offsets`` (offsets [blocks, N]).
+    8-bit codes at accuracy level 0/1 (fp32 activations) are computed as two 4-bit products of their high and low
+    nibbles — exact, and ONNX Runtime's fp32 kernel for 8-bit weights is many times slower than its 4-bit one."""
+    k, n, bits, block_size = shape
+    if bits == 8 and accuracy_level <= 1 and zero_points is None:
+        high, low, high_scales, low_zero = _nibbles(graph, tape, codes, scales, n, k // block_size)
+        attributes = _matmul_nbits_attributes(k, n, 4, block_size, accuracy_level)
+        parts = [
+            tape.op("MatMulNBits", [x, high, high_scales], attributes=attributes, domain="com.microsoft"),
+            tape.op("MatMulNBits", [x, low, scales, low_zero], attributes=attributes, domain="com.microsoft"),
+        ]
+        result = tape.op("Add", parts)
+    else:
+        result = tape.op(
+            "MatMulNBits",
+            [x, codes, scales] + ([zero_points] if zero_points is not None else []),
+            attributes=_matmul_nbits_attributes(k, n, bits, block_size, accuracy_level),
+            domain="com.microsoft",
+        )
+    if offsets is not None:
+        # blocksum(A) as a product with a 0/1 block indicator [K, blocks]: one small MatMul, where Reshape +
+        # ReduceSum cost ~3x more per step (the Reshape copies A, which MatMulNBits also reads)
+        sums = tape.op("MatMul", [x, _block_indicator(graph, k, block_size)])
+        result = tape.op("Add", [result, tape.op("MatMul", [sums, offsets])])
+    return result
+
+
+def _block_indicator(graph: ir.Graph, k: int, block_size: int) -> ir.Value:
+    """The 0/1 matrix [K, blocks] with input i in block i // block_size, made once per shape by ops that ONNX
+    Runtime folds when it loads the graph (EyeLike, Expand), not stored: stored, it cost K·blocks·4 bytes per
+    input width (1 % of a Q4_1 SmolLM2's bytes, 6 % of a tiny model's)."""
+    name = f"blocksum.{k}x{block_size}"
+    for node in graph:
+        if node.outputs and node.outputs[0].name == name:
+            return node.outputs[0]
+    blocks = k // block_size
+    tape = ir.tape.Tape(graph_like=graph)
+    zeros = tape.op(
+        "ConstantOfShape",
+        [_shared(graph, f"shape.{blocks}x{blocks}", np.array([blocks, blocks]))],
+        attributes={"value": ir.tensor(np.array([0], np.float32))},
+    )
+    eye = tape.op("Unsqueeze", [tape.op("EyeLike", [zeros]), _shared(graph, "axis.1", np.array([1]))])
+    spread = tape.op("Expand", [eye, _shared(graph, f"shape.1x{block_size}x1", np.array([1, block_size, 1]))])
+    indicator = tape.op("Reshape", [spread, _shared(graph, f"shape.{k}x{blocks}", np.array([k, blocks]))])
+    indicator.name = name
+    graph.insert_before(graph[0], tape.nodes)
+    return indicator
+
+
+def _nibbles(graph: ir.Graph, tape: ir.tape.Tape, codes: ir.Value, scales: ir.Value, n: int, blocks: int):
+    """8-bit codes c (default zero point 128) as two 4-bit halves: 16·s·(c >> 4 - 8) + s·(c & 15 - 0) = s·(c - 128).
+    Constant ops on constants: ONNX Runtime folds them when it loads the graph."""
+    four = _shared(graph, "uint8.4", np.array(4, np.uint8))
+    halves = []
+    for nibble in (
+        tape.op("BitShift", [codes, four], attributes={"direction": "RIGHT"}),
+        tape.op("BitwiseAnd", [codes, _shared(graph, "uint8.15", np.array(15, np.uint8))]),
+    ):
+        even = tape.op("Slice", [nibble, *_slice_every_other(graph, 0)])
+        odd = tape.op("Slice", [nibble, *_slice_every_other(graph, 1)])
+        halves.append(tape.op("BitwiseOr", [even, tape.op("BitShift", [odd, four], attributes={"direction": "LEFT"})]))
+    high_scales = tape.op("Mul", [scales, _shared(graph, "float.16", np.array(16, np.float32))])
+    low_zero = _filled(graph, tape, f"zero_points.{n}x{blocks}", (n, -(-blocks // 2)), 0)
+    return halves[0], halves[1], high_scales, low_zero
+
+
+def _slice_every_other(graph: ir.Graph, start: int) -> list[ir.Value]:
+    big = np.iinfo(np.int64).max
+    return [
+        _shared(graph, f"slice.start{start}", np.array([start])),
+        _shared(graph, "slice.end", np.array([big])),
+        _shared(graph, "axis.last", np.array([-1])),
+        _shared(graph, "slice.step2", np.array([2])),
+    ]
+
+
+def _filled(graph: ir.Graph, tape: ir.tape.Tape, name: str, shape: tuple[int, ...], value: int) -> ir.Value:
+    """A uint8 tensor of one value, made at load time (ConstantOfShape, folded) instead of stored."""
+    fill = ir.tensor(np.array([value], np.uint8))
+    return tape.op("ConstantOfShape", [_shared(graph, f"{name}.shape", np.array(shape))], attributes={"value": fill})
+
+
+def _shared(graph: ir.Graph, name: str, data: np.ndarray) -> ir.Value:
+    """An initializer registered once under ``name`` and reused (indicators, shapes, small constants)."""
+    return graph.initializers.get(name) or constant(graph, name, data)
+
+
+def carried_inputs(
+    graph: ir.Graph, tape: ir.tape.Tape, name: str, carried: CarriedWeight
+) -> tuple[ir.Value, ir.Value, ir.Value | None]:
+    """MatMulNBits' inputs for a weight a source defines exactly: (codes [N, blocks, block_size·bits/8], scales
+    [N·blocks], offsets [blocks, N] or None). The bundle stores the source's own numbers at their own width
+    (``GridRows.stored``: 4-bit codes plus high bits, fp16 steps and minima, integer sub-scales — the GGUF's
+    bytes, give or take a few per super-block); constant ops on them make the kernel's fp32 scales and offsets
+    and 8-bit codes, which ONNX Runtime folds once when it loads the graph (exact: products of an fp16 number and
+    a small integer, and offsets checked exact by ``carried_weight``)."""
+    codes, scales, offsets = [], [], []
+    for index, segment in enumerate(carried.segments):
+        stored = {key: constant(graph, f"{name}.{index}.{key}", array) for key, array in segment.stored().items()}
+        repeat = segment.block_size // carried.block_size
+        rows, blocks = segment.rows, segment.blocks * repeat
+        code = stored["codes"]
+        if carried.bits == 8 and segment.qbits < 8:
+            code = _unpacked(graph, tape, code, 4, (segment.rows, segment.blocks, segment.block_size))
+            if "high" in stored:
+                width = segment.qbits - 4
+                high = _unpacked(graph, tape, stored["high"], width, (segment.rows, segment.blocks, segment.block_size))
+                four = _shared(graph, "uint8.4", np.array(4, np.uint8))
+                code = tape.op("BitwiseOr", [code, tape.op("BitShift", [high, four], attributes={"direction": "LEFT"})])
+        if bias := carried.code_bias(segment):
+            code = tape.op("Add", [code, _shared(graph, f"uint8.{bias}", np.array(bias, np.uint8))])
+        if repeat > 1:
+            code = tape.op("Reshape", [code, _shared(graph, f"shape.{rows}x{blocks}x-1", np.array([rows, blocks, -1]))])
+        codes.append(code)
+        scale = _per_block(graph, tape, stored["step"], stored.get("step_factor"), segment)
+        low = None
+        if "low_base" in stored:
+            low = _per_block(graph, tape, stored["low_base"], stored.get("low_factor"), segment)
+            if segment.low_sign < 0:
+                low = tape.op("Neg", [low])
+        if repeat > 1:
+            scale, low = (
+                _repeated(graph, tape, value, rows, repeat) if value is not None else None for value in (scale, low)
+            )
+        scales.append(scale)
+        if carried.offsets:
+            if steps := carried.offset_step(segment):  # the kernel's 2**(bits-1) is not the source's zero
+                low = _plus_steps(graph, tape, low, scale, steps)
+            offsets.append(
+                low if low is not None else tape.op("Mul", [scale, _shared(graph, "float.0", np.array(0, np.float32))])
+            )
+    join = lambda values: values[0] if len(values) == 1 else tape.op("Concat", values, attributes={"axis": 0})  # noqa: E731
+    scale = tape.op("Reshape", [join(scales), _shared(graph, "shape.flat", np.array([-1]))])
+    offset = tape.op("Transpose", [join(offsets)], attributes={"perm": [1, 0]}) if carried.offsets else None
+    return join(codes), scale, offset
+
+
+def _plus_steps(graph: ir.Graph, tape: ir.tape.Tape, low: ir.Value | None, scale: ir.Value, steps: int) -> ir.Value:
+    added = tape.op("Mul", [scale, _shared(graph, f"float.{steps}", np.array(steps, np.float32))])
+    return added if low is None else tape.op("Add", [low, added])
+
+
+def _unpacked(graph: ir.Graph, tape: ir.tape.Tape, packed: ir.Value, width: int, shape: tuple[int, int, int]):
+    """uint8 values of ``width`` bits packed lowest first → one per byte, [rows, blocks, block_size]."""
+    per_byte = 8 // width
+    shifts = _shared(graph, f"uint8.shifts{width}", (width * np.arange(per_byte)).astype(np.uint8))
+    mask = _shared(graph, f"uint8.{2**width - 1}", np.array(2**width - 1, np.uint8))
+    spread = tape.op("Unsqueeze", [packed, _shared(graph, "axis.last", np.array([-1]))])
+    values = tape.op("BitwiseAnd", [tape.op("BitShift", [spread, shifts], attributes={"direction": "RIGHT"}), mask])
+    return tape.op("Reshape", [values, _shared(graph, "shape." + "x".join(map(str, shape)), np.array(shape))])
+
+
+def _per_block(graph: ir.Graph, tape: ir.tape.Tape, base: ir.Value, factor: ir.Value | None, segment: GridRows):
+    """fp32 [rows, blocks]: an fp16 number per group (block or super-block) times an integer per block."""
+    value = tape.op("Cast", [base], attributes={"to": FLOAT})
+    if factor is None:
+        return value
+    groups = segment.step.shape[1]
+    rows_groups = _shared(graph, f"shape.{segment.rows}x{groups}x-1", np.array([segment.rows, groups, -1]))
+    product = tape.op(
+        "Mul",
+        [
+            tape.op("Reshape", [value, rows_groups]),
+            tape.op("Reshape", [tape.op("Cast", [factor], attributes={"to": FLOAT}), rows_groups]),
+        ],
+    )
+    return tape.op("Reshape", [product, _shared(graph, f"shape.{segment.rows}x-1", np.array([segment.rows, -1]))])
+
+
+def _repeated(graph: ir.Graph, tape: ir.tape.Tape, value: ir.Value, rows: int, times: int) -> ir.Value:
+    """[rows, blocks] → [rows, blocks·times], each block's number repeated for its ``times`` smaller blocks."""
+    spread = tape.op("Unsqueeze", [value, _shared(graph, "axis.last", np.array([-1]))])
+    spread = tape.op("Expand", [spread, _shared(graph, f"shape.1x1x{times}", np.array([1, 1, times]))])
+    return tape.op("Reshape", [spread, _shared(graph, f"shape.{rows}x-1", np.array([rows, -1]))])
 
 
 def _matmul_nbits_attributes(k: int, n: int, bits: int, block_size: int, accuracy_level: int) -> dict[str, int]:
-    # 8-bit weights always compute with int8 activations (level 4): ONNX Runtime has no fast fp32 kernel for them
-    # (SmolLM2's lm_head alone takes 85 ms a step at level 1)
+    # 8-bit weights compute with int8 activations (level 4) unless fp32 is asked for, which _nbits_product gives
+    # them as two 4-bit products: ONNX Runtime's fp32 kernel for 8-bit weights is slow (SmolLM2's lm_head alone
+    # took 85 ms a step at level 1)
     level = accuracy_level if bits == 4 else 4
     return {"K": k, "N": n, "bits": bits, "block_size": block_size, "accuracy_level": level}

@@ -2,8 +2,11 @@
 
 Round to nearest per block of ``block_size`` input channels, with a zero point unless ``symmetric``. Two forms:
 
-- ``matmulnbits``: ``com.microsoft::MatMulNBits`` — ONNX Runtime CPU/CUDA only, the fast form there. Quantized
-  here (numpy), grid-aware: a block whose values already lie on an affine grid of ≤ 16 levels (every block of a
+- ``matmulnbits``: ``com.microsoft::MatMulNBits`` — ONNX Runtime CPU/CUDA only, the fast form there. From a GGUF
+  (``source``, edgec/ggufblocks.py) every quantized tensor keeps its own codes, fp16 steps and minima, bit for
+  bit: Q4_0/Q4_1/Q4_K as 4-bit codes, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as 8-bit ones (the bundle stores the file's
+  narrower codes; constant ops widen them when ONNX Runtime loads the graph). Otherwise quantized here (numpy),
+  grid-aware: a block whose values already lie on an affine grid of ≤ 16 levels (every block of a
   Q4_0/Q4_1 GGUF, dequantized) is carried across exactly, any other block gets min/max round-to-nearest. A block's
   minimum is not a multiple of its step in general (Q4_1), and MatMulNBits is ~50× slower with float zero points
   than with integer ones, so the weight is stored as ``(q - 8) · step`` and the per-block offset is added back by a
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from edgec.blockquant import RowSource
 from edgec.passes._contract import Pass
 from edgec.passes._weights import (
     dequantize_linear,
@@ -42,16 +46,21 @@ def int4_weights(
     form: str = "matmulnbits",
     accuracy_level: int = 4,
     embedding_bits: int = 8,
+    source: RowSource | None = None,
 ) -> int:
-    """Rewrite in place; returns how many weights were quantized."""
+    """Rewrite in place; returns how many weights were quantized. ``source``: where the weights' exact grids come
+    from (a GGUF's blocks), used with the default grid (asymmetric block 32, 8-bit table)."""
     if form not in FORMS or block_size not in BLOCK_SIZES:
         raise ValueError(f"form must be one of {FORMS} and block_size one of {BLOCK_SIZES}")
     materialize_transposed_weights(model)
     if form == "qdq":
         dequantize_linear(model, block_size, symmetric)
         return sum(node.op_type == "DequantizeLinear" for node in model.graph)
-    shared_embedding(model, block_size, symmetric, accuracy_level, embedding_bits)
-    matmul_nbits(model, block_size, symmetric, accuracy_level, bits=4)
+    carry = source if not symmetric and block_size == 32 else None
+    shared_embedding(
+        model, block_size, symmetric, accuracy_level, embedding_bits, carry if embedding_bits == 8 else None
+    )
+    matmul_nbits(model, block_size, symmetric, accuracy_level, bits=4, source=carry)
     gather_block_quantized(model, block_size)
     return sum(node.op_type in ("MatMulNBits", "GatherBlockQuantized") for node in model.graph)
 

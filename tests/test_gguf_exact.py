@@ -1,0 +1,133 @@
+"""The exact GGUF import (issue 16): a tiny Llama GGUF that mixes every block type edgec carries (tests/tiny_gguf.py)
+is built at --weights int4; every linear layer must be the GGUF's own rows bit for bit as ONNX Runtime computes
+with them, the logits at --accuracy-level 1 those of the fp32 bundle (the GGUF dequantized) within float rounding,
+the weights no bigger than the GGUF's, and verify --compare must pass the fresh bundle and fail a corrupted one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.gguf_exact import assert_weights_are_the_gguf_s
+from tests.tiny_gguf import LAYERS, quantized, write_tiny_llama_gguf
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory, tiny_tokenizer) -> Path:
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, mixed_gguf) -> dict[str, Path]:
+    """fp32, int4 at accuracy level 1 (fp32 activations) and int4 at the default level, from the same GGUF."""
+    from edgec.build import BuildSettings, build
+
+    root = tmp_path_factory.mktemp("bundles")
+    variants = {"fp32": {}, "int4-l1": {"weights": "int4", "accuracy_level": 1}, "int4": {"weights": "int4"}}
+    for name, extra in variants.items():
+        build(mixed_gguf, root / name, BuildSettings(context=128, prefill_chunk=32, **extra))
+    return {name: root / name for name in variants}
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_decoded_blocks_dequantize_as_the_gguf_library(type_name):
+    """Codes, fp16 steps and minima and integer sub-scales read from the raw blocks rebuild every value exactly."""
+    from edgec.ggufblocks import decode_rows
+
+    raw = quantized(np.random.default_rng(1), type_name, 8, 512, 0.05)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    got = decode_rows(raw, type_name).dequantize()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_a_weight_not_in_the_file_is_not_carried(mixed_gguf):
+    from edgec.ggufblocks import GgufBlocks
+
+    blocks = GgufBlocks(mixed_gguf)
+    assert blocks.find(np.random.default_rng(0).normal(size=(256, 64)).astype(np.float32)) is None
+    assert blocks.record()["carried_exactly"] == 0
+
+
+@pytest.mark.parametrize("name", ["int4-l1", "int4"])
+def test_every_linear_layer_is_the_gguf_s_bit_for_bit(built, mixed_gguf, name, tmp_path):
+    weights = assert_weights_are_the_gguf_s(built[name], mixed_gguf, tmp_path)
+    assert weights == LAYERS * 4 + 1  # qkv, o, gate|up, down per layer, and the tied lm_head
+    blocks = json.loads((built[name] / "manifest.json").read_text())["build_settings"]["gguf_blocks"]
+    assert blocks["carried_exactly"] == blocks["weights"] == weights
+
+
+def test_level_1_logits_are_the_fp32_bundle_s(built):
+    """fp32 activations on the GGUF's exact weights: only summation order differs from the fp32 bundle."""
+    from edgec.runtime import Model
+
+    ids = np.random.default_rng(5).integers(0, 384, 60).tolist()
+    reference, exact = Model.load(built["fp32"]), Model.load(built["int4-l1"])
+    assert np.abs(reference.logprobs(ids) - exact.logprobs(ids)).max() < 1e-3
+    assert np.abs(reference.next_token_logits(ids) - exact.next_token_logits(ids)).max() < 1e-3
+
+
+def _stored_bytes(bundle: Path) -> dict[str, int]:
+    """Bytes of each initializer model.onnx.data holds."""
+    import onnx
+
+    model = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
+    lengths = {}
+    for tensor in model.graph.initializer:
+        location = {entry.key: entry.value for entry in tensor.external_data}
+        if "length" in location:
+            lengths[tensor.name] = int(location["length"])
+    return lengths
+
+
+def test_weights_are_no_bigger_than_the_gguf_s(built, mixed_gguf):
+    """The GGUF's numbers at their own width (fp16 steps and minima, small-integer sub-scales); what the graph
+    adds of its own (RoPE tables, sized by the context) is not a weight."""
+    tensor_bytes = sum(int(tensor.n_bytes) for tensor in gguf.GGUFReader(str(mixed_gguf)).tensors)
+    for name in ("int4-l1", "int4"):
+        stored = _stored_bytes(built[name])
+        assert sum(stored.values()) == (built[name] / "model.onnx.data").stat().st_size
+        weights = sum(size for tensor, size in stored.items() if not tensor.startswith("rope"))
+        assert weights <= 1.02 * tensor_bytes, (name, weights / tensor_bytes)
+
+
+def _corrupt_one_block(bundle: Path) -> str:
+    """Invert the codes of one 32-value block of a carried 4-bit weight in model.onnx.data (the manifest is then
+    re-hashed: the bundle is self-consistent, only its numbers are wrong); returns the tensor's name."""
+    import onnx
+
+    from edgec.bundle import write_manifest
+
+    model = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
+    for tensor in model.graph.initializer:
+        if tensor.name.endswith(".codes") and tensor.data_type == onnx.TensorProto.UINT8 and tensor.dims[-1] == 16:
+            offset = int(next(entry.value for entry in tensor.external_data if entry.key == "offset"))
+            break
+    else:
+        raise AssertionError("no 4-bit codes in the bundle")
+    data = np.fromfile(bundle / "model.onnx.data", dtype=np.uint8)
+    data[offset : offset + 16] ^= 0xFF  # every code q becomes 15 - q
+    data.tofile(bundle / "model.onnx.data")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest.pop("files")
+    write_manifest(bundle, manifest)
+    return tensor.name
+
+
+@pytest.mark.parametrize("name", ["int4-l1", "int4"])
+def test_verify_compare_passes_a_fresh_bundle_and_fails_one_corrupted_block(built, name, tmp_path):
+    from edgec.verify import verify
+
+    checks = verify(built[name], compare=True)
+    assert not [check for check in checks if check.status == "fail"], [c.line() for c in checks]
+    assert any(check.status == "info" and "source model" in check.name for check in checks)
+    broken = shutil.copytree(built[name], tmp_path / "broken")
+    _corrupt_one_block(broken)
+    assert not [check for check in verify(broken) if check.status == "fail"]  # the hashes cannot see it
+    failed = [check.name for check in verify(broken, compare=True) if check.status == "fail"]
+    assert any(check.startswith("reference logits") for check in failed), failed
