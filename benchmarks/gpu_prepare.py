@@ -23,7 +23,6 @@ CUDA, or nvidia-* wheels of its Python, as the H200 image has).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import shutil
@@ -32,6 +31,8 @@ import sys
 import time
 from datetime import date
 from pathlib import Path
+
+from edgec.bundle import sha256_file
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out" / "gpu-pack"
@@ -122,17 +123,9 @@ def extra_wheels(folder: Path, requirements: list[str], python: str, platform: s
     for wheel in folder.glob("*.whl"):
         if not wheel.name.startswith(keep):
             wheel.unlink()
-    lines = [f"wheels/{w.name} --hash=sha256:{_sha256(w)}" for w in sorted(folder.glob("*.whl"))]
+    lines = [f"wheels/{w.name} --hash=sha256:{sha256_file(w)}" for w in sorted(folder.glob("*.whl"))]
     (folder / "requirements.txt").write_text("\n".join(lines) + "\n")
     return [w.name for w in sorted(folder.glob("*.whl"))]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while block := stream.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def prepare(args: argparse.Namespace) -> dict:
@@ -188,7 +181,7 @@ def prepare(args: argparse.Namespace) -> dict:
                 "wheels": wheels,
                 "wheels_problem": unpackable.get(runtime, ""),
                 "size": archive.stat().st_size,
-                "sha256": _sha256(archive),
+                "sha256": sha256_file(archive),
                 "validation_top1": manifest["validation"]["top1_agreement"],
             }
         )
