@@ -38,7 +38,7 @@ def profile(bundle: Path, prompt: int, steps: int, threads: int) -> dict[str, fl
     tokens = model.generate_ids(ids, max_new_tokens=steps + 1)
     for _ in tokens:
         pass
-    events = json.loads(Path(model._step.session.end_profiling()).read_text())
+    events = json.loads(Path(model._backend.graph.session.end_profiling()).read_text())
     runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"][-steps:]  # decode steps
     per_op: dict[str, float] = defaultdict(float)
     for event in events:

@@ -218,7 +218,7 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
     timings: dict[str, float] = {}
     start = time.perf_counter()
     progress("load")
-    loaded = load_model(model_path, settings.allow_pickle)
+    loaded = load_model(model_path, settings.allow_pickle, report=progress)
     spec = cache_spec_for(plan.shape, context, prefill_chunk)
     prompts = [loaded.tokenizer(text)["input_ids"] for text in VALIDATION_PROMPTS]
     reference_logits = _torch_last_logits(loaded.causal_lm, prompts)
@@ -233,7 +233,7 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
 
     progress("export")
     start = time.perf_counter()
-    model = export_step(loaded.causal_lm, spec)
+    model = export_step(loaded.causal_lm, spec, report=progress)
     options = _with_source_blocks(plan, settings, loaded)
     pass_counts: dict[str, int] = {}
     for done, name in enumerate(plan.passes, 1):  # one at a time, to show progress inside the export stage
@@ -273,7 +273,9 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
 
         start = time.perf_counter()
         slots = (plan.kv.capacity, context) if plan.kv else None
-        engine, runtime = build_engine(folder / "model.onnx", target, max_tokens=prefill_chunk, slots=slots)
+        engine, runtime = build_engine(
+            folder / "model.onnx", target, max_tokens=prefill_chunk, slots=slots, report=progress
+        )
         (folder / "engine.trt").write_bytes(engine)
         runtime |= {"min_version": runtime["version"], "providers": [], "engine": "engine.trt"}
         timings["engine_s"] = time.perf_counter() - start

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -106,8 +107,32 @@ def kv_attention_routed(causal_lm: torch.nn.Module):
             config._attn_implementation = previous[key]
 
 
-def export_step(causal_lm: torch.nn.Module, spec: CacheSpec) -> ir.Model:
-    """Trace the step function and return the ONNX IR model with the KVAttention function attached."""
+@contextlib.contextmanager
+def layers_reported(causal_lm: torch.nn.Module, report: Callable[[int, int], None] | None):
+    """``report(done, total)`` as the trace passes each decoder layer: forward hooks run as plain Python during a
+    non-strict torch.export, outside what is recorded, so they cost nothing in the graph."""
+    layers = getattr(getattr(causal_lm, "model", None), "layers", None)
+    if report is None or layers is None:
+        yield
+        return
+    total = len(layers)
+    handles = [
+        layer.register_forward_hook(lambda *_, done=done: report(done, total)) for done, layer in enumerate(layers, 1)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def export_step(
+    causal_lm: torch.nn.Module, spec: CacheSpec, report: Callable[[str, int, int], None] | None = None
+) -> ir.Model:
+    """Trace the step function and return the ONNX IR model with the KVAttention function attached.
+    ``report(step, done, total)``: "trace layers" once per decoder layer, then "to onnx" 0/1 … 1/1 around the
+    translation (torch's exporter gives no finer steps)."""
+    report = report or (lambda step, done, total: None)
     step = StepModule(causal_lm, spec).eval()
     io = step_io(spec)
     example_len = 3
@@ -130,7 +155,9 @@ def export_step(causal_lm: torch.nn.Module, spec: CacheSpec) -> ir.Model:
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         # torch.onnx.export rewrites a tuple of dynamic shapes into a list that torch.export then rejects for
         # *caches, so the program is exported first and handed over.
-        exported = torch.export.export(step, args, dynamic_shapes=dynamic_shapes, strict=False)
+        with layers_reported(causal_lm, lambda done, total: report("trace layers", done, total)):
+            exported = torch.export.export(step, args, dynamic_shapes=dynamic_shapes, strict=False)
+        report("to onnx", 0, 1)
         program = torch.onnx.export(
             exported,
             dynamo=True,
@@ -144,6 +171,7 @@ def export_step(causal_lm: torch.nn.Module, spec: CacheSpec) -> ir.Model:
     model = program.model
     drop_source_locations(model)
     attach_kv_function(model)
+    report("to onnx", 1, 1)
     return model
 
 

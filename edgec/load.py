@@ -6,15 +6,18 @@ architecture edgec cannot compile) is caught here *before* the heavy load, with 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edgec.bundle import sha256_file
 from edgec.errors import ModelLoadError, UnsupportedModelError
+from edgec.hub import resolve_source
 from edgec.shape import GGUF_ARCHITECTURES, ModelShape, check_config_values, gguf_architecture, gguf_config
 
 # model_type → the transformers class that edgec traces. Families join as their parity tests pass.
@@ -135,8 +138,9 @@ def check_model_features(config: dict[str, Any]) -> None:
 
 
 def inspect_source(path: str | Path, allow_pickle: bool = False) -> dict[str, Any]:
-    """Validate a model path without loading weights; returns what kind of source it is."""
-    path = Path(path)
+    """Validate a model path (or a Hub id in the local cache) without loading weights; returns what kind of source
+    it is."""
+    path = resolve_source(path)
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
     if path.is_file():
@@ -229,15 +233,43 @@ def _check_safetensors(path: Path) -> None:
         ) from None
 
 
-def load_model(path: str | Path, allow_pickle: bool = False) -> LoadedModel:
-    """Load a model folder or GGUF file in fp32, offline."""
+@contextlib.contextmanager
+def gguf_tensors_reported(report: Callable[[str, int, int], None] | None):
+    """transformers' GGUF reader walks the file's tensors through its module's ``tqdm``: while this is open, that
+    walk reports ``("gguf tensors", done, total)`` instead of drawing a bar."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    if report is None or gguf_utils is None or not hasattr(gguf_utils, "tqdm"):
+        yield
+        return
+
+    def counted(iterable, *args, **kwargs):
+        items = list(iterable)
+        for done, item in enumerate(items, 1):
+            yield item
+            report("gguf tensors", done, len(items))
+
+    previous, gguf_utils.tqdm = gguf_utils.tqdm, counted
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = previous
+
+
+def load_model(
+    path: str | Path, allow_pickle: bool = False, report: Callable[[str, int, int], None] | None = None
+) -> LoadedModel:
+    """Load a model folder or GGUF file in fp32, offline. ``report(step, done, total)``: a GGUF's tensors as they
+    are read and dequantized (the long part of loading one)."""
     _set_offline()
     info = inspect_source(path, allow_pickle)
     silence_third_party_progress()
     import torch
     import transformers
 
-    path = Path(path)
+    path = resolve_source(path)
     if info["kind"] == "gguf":
         kwargs = {"gguf_file": path.name}
         where = path.parent
@@ -251,9 +283,14 @@ def load_model(path: str | Path, allow_pickle: bool = False) -> LoadedModel:
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"the tokenizer of {path} has no fast (tokenizer.json) form, which the runtime needs")
     try:
-        causal_lm = transformers.AutoModelForCausalLM.from_pretrained(
-            where, local_files_only=True, dtype=torch.float32, use_safetensors=None if allow_pickle else True, **kwargs
-        )
+        with gguf_tensors_reported(report):
+            causal_lm = transformers.AutoModelForCausalLM.from_pretrained(
+                where,
+                local_files_only=True,
+                dtype=torch.float32,
+                use_safetensors=None if allow_pickle else True,
+                **kwargs,
+            )
     except Exception as error:
         raise ModelLoadError(f"cannot load the weights of {path} ({type(error).__name__}: {error})") from None
     config = causal_lm.config

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from edgec.errors import BuildSettingsError, ModelLoadError
+from edgec.hub import resolve_source
 
 # GGUF general.architecture → transformers model_type (Mistral GGUFs carry the "llama" architecture)
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "phi3": "phi3", "gemma3": "gemma3_text"}
@@ -131,6 +132,7 @@ def model_shape(source: str | Path) -> ModelShape:
     bundled = resources.files("edgec.configs") / f"{source}.json"
     if not source_path.exists() and bundled.is_file():
         return ModelShape.from_config(json.loads(bundled.read_text()), str(source))
+    source_path = resolve_source(source)
     if source_path.is_dir():
         source_path = source_path / "config.json"
     if source_path.suffix.lower() == ".gguf" and source_path.is_file():

@@ -8,6 +8,7 @@ TensorRT-RTX release (an engine is tied to the release that built it).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from edgec.errors import BuildSettingsError
@@ -43,11 +44,43 @@ def profile_range(dim: str | None, max_tokens: int, slots: tuple[int, int] | Non
     return 1, 1, max_tokens
 
 
+def progress_monitor(trt, report: Callable[[str, int, int], None]):
+    """A TensorRT-RTX ``IProgressMonitor`` that reports the builder's top-level phases' steps as ``("tensorrt-rtx
+    <phase>", done, total)``; nested phases (many, short) are left out. The builder reports a phase's last step by
+    finishing it."""
+
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self.totals: dict[str, int] = {}
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            if parent_phase is None:
+                self.totals[phase_name] = num_steps
+                report(f"tensorrt-rtx {phase_name.lower()}", 0, num_steps)
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            if phase_name in self.totals:
+                report(f"tensorrt-rtx {phase_name.lower()}", step + 1, self.totals[phase_name])
+            return True  # never cancels the build
+
+        def phase_finish(self, phase_name: str) -> None:
+            if phase_name in self.totals:
+                total = self.totals.pop(phase_name)
+                report(f"tensorrt-rtx {phase_name.lower()}", total, total)
+
+    return Monitor()
+
+
 def build_engine(
-    onnx_path: Path, target: Target, max_tokens: int, slots: tuple[int, int] | None = None
+    onnx_path: Path,
+    target: Target,
+    max_tokens: int,
+    slots: tuple[int, int] | None = None,
+    report: Callable[[str, int, int], None] | None = None,
 ) -> tuple[bytes, dict]:
     """Serialized engine for ``target``'s compute capability; token dims range over 1..max_tokens (decode is 1);
-    ``slots``: (capacity, context) of a compressed cache's slot dimension."""
+    ``slots``: (capacity, context) of a compressed cache's slot dimension; ``report``: the builder's progress."""
     trt = import_tensorrt_rtx()
     major, minor = capability(target)
     sm = getattr(trt.ComputeCapability, f"SM{major}{minor}", None)
@@ -76,6 +109,8 @@ def build_engine(
             low, best, high = ([r[i] for r in ranges] for i in range(3))
             profile.set_shape(tensor.name, low, best, high)
     config.add_optimization_profile(profile)
+    if report is not None and hasattr(trt, "IProgressMonitor"):
+        config.progress_monitor = progress_monitor(trt, report)
     start = time.perf_counter()
     engine = builder.build_serialized_network(network, config)
     if engine is None:

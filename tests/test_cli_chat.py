@@ -206,6 +206,9 @@ def test_plan_prints_a_build_line_that_builds(tiny_llama, tmp_path):
     for stage in ("starting", "load (1/7)", "export (3/7)", "bundle (7/7)"):
         assert stage in built.output
     assert re.search(r"\] passes (\d+)/\1\n", built.output)  # inside the export stage: each graph pass
+    layers = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"]
+    assert f"] trace layers {layers}/{layers}\n" in built.output  # inside the trace: each decoder layer
+    assert "] to onnx 1/1\n" in built.output
     assert (out / "manifest.json").exists()
 
 

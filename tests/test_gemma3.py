@@ -19,7 +19,8 @@ from edgec.build import BuildSettings, build
 from edgec.runtime import Model
 from tests.conftest import pydoc_text
 
-pytestmark = pytest.mark.gemma3
+# the real model: minutes on 2 cores, so in the slow tier (`pytest -m slow`, which CI runs after the default tier)
+pytestmark = [pytest.mark.gemma3, pytest.mark.slow]
 NEW_TOKENS = 64
 CHUNK = 128
 SLIDING, GLOBAL = 15, 3
@@ -104,7 +105,6 @@ def test_first_step_logits(bundles, reference_logits, prompts, target):
         assert np.abs(model.next_token_logits(ids) - want).max() < 1e-3
 
 
-@pytest.mark.slow
 def test_greedy_64_tokens_identical_to_transformers(bundles, hf_model, prompts):
     model = Model.load(bundles["cpu"])
     for ids in prompts:
@@ -115,7 +115,6 @@ def test_greedy_64_tokens_identical_to_transformers(bundles, hf_model, prompts):
         assert got == want, (model.decode(got), model.decode(want))
 
 
-@pytest.mark.slow
 def test_greedy_portable_bundle_agrees(bundles, prompts):
     """Short: the portable graph's long-prompt path is covered by its first-step logits, and the rings run the
     same function body on both targets."""

@@ -17,7 +17,8 @@ from edgec.build import BuildSettings, build
 from edgec.runtime import Model
 from tests.conftest import pydoc_text
 
-pytestmark = pytest.mark.smollm2
+# the real model: minutes on 2 cores, so in the slow tier (`pytest -m slow`, which CI runs after the default tier)
+pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 NEW_TOKENS = 64
 
 
