@@ -100,6 +100,7 @@ def shared_embedding(
     accuracy_level: int,
     bits: int,
     source: RowSource | None = None,
+    split_activations: bool = False,
 ) -> None:
     """A tied lm_head and its embedding table become ONE quantized table, read by the lm_head's MatMulNBits and by a
     GatherBlockQuantized (as onnxruntime-genai's ``shared_embeddings``), so it is stored once. A table ``source``
@@ -154,6 +155,7 @@ def shared_embedding(
         offsets,
         (columns, rows, bits, block_size),
         accuracy_level,
+        split_activations,
     )
     graph.insert_before(output_layer, tape.nodes)
     take_over(output_layer.outputs[0], logits)
@@ -280,6 +282,7 @@ def matmul_nbits(
     accuracy_level: int,
     bits: int,
     source: RowSource | None = None,
+    split_activations: bool = False,
 ) -> int:
     """Every MatMul with a constant fp32 weight → MatMulNBits at ``bits`` (the lm_head at 8); a weight ``source``
     defines exactly (a GGUF's) keeps its own numbers (``carried_inputs``). Returns how many were carried."""
@@ -297,7 +300,9 @@ def matmul_nbits(
             carried = carried_weight(segments)
             codes, scales, offsets = carried_inputs(graph, tape, weight.name, carried)
             shape = (k, n, carried.bits, carried.block_size)
-            result = _nbits_product(graph, tape, x, codes, scales, None, offsets, shape, accuracy_level)
+            result = _nbits_product(
+                graph, tape, x, codes, scales, None, offsets, shape, accuracy_level, split_activations
+            )
             carried_count += 1
         else:
             # the lm_head (like the embedding) is the most sensitive matrix: 8 bits (GGUFs keep it at Q8_0 or better)
@@ -314,7 +319,9 @@ def matmul_nbits(
                 offsets = constant(graph, f"{weight.name}.offsets", offsets.reshape(n, -1).T.copy())
             scales = constant(graph, f"{weight.name}.scales", scales)
             shape = (k, n, bits, block_size)
-            result = _nbits_product(graph, tape, x, codes, scales, zero, offsets, shape, accuracy_level)
+            result = _nbits_product(
+                graph, tape, x, codes, scales, zero, offsets, shape, accuracy_level, split_activations
+            )
         graph.insert_before(node, tape.nodes)
         take_over(node.outputs[0], result)
         graph.remove(node, safe=True)
@@ -334,11 +341,13 @@ def _nbits_product(
     offsets: ir.Value | None,
     shape: tuple[int, int, int, int],
     accuracy_level: int,
+    split_activations: bool = False,
 ) -> ir.Value:
     """x @ W for W given as MatMulNBits' inputs (codes [N, blocks, bytes], scales [N·blocks], zero points) plus,
     where a block's minimum is not on its integer grid, ``blocksum(x) @ offsets`` (offsets [blocks, N]).
     8-bit codes at accuracy level 0/1 (fp32 activations) are computed as two 4-bit products of their high and low
-    nibbles — exact, and ONNX Runtime's fp32 kernel for 8-bit weights is many times slower than its 4-bit one."""
+    nibbles — exact, and ONNX Runtime's fp32 kernel for 8-bit weights is many times slower than its 4-bit one.
+    ``split_activations`` (int8 activations only): x is computed as two rows, see ``_split_rows``."""
     k, n, bits, block_size = shape
     if bits == 8 and accuracy_level <= 1 and zero_points is None:
         high, low, high_scales, low_zero = _nibbles(graph, tape, codes, scales, n, k // block_size)
@@ -349,18 +358,52 @@ def _nbits_product(
         ]
         result = tape.op("Add", parts)
     else:
+        attributes = _matmul_nbits_attributes(k, n, bits, block_size, accuracy_level)
+        split = split_activations and attributes["accuracy_level"] >= 2 and k % block_size == 0
+        split = split and x.shape is not None and x.shape.rank() == 3
+        rows = _split_rows(graph, tape, x, k, block_size) if split else x
         result = tape.op(
             "MatMulNBits",
-            [x, codes, scales] + ([zero_points] if zero_points is not None else []),
-            attributes=_matmul_nbits_attributes(k, n, bits, block_size, accuracy_level),
+            [rows, codes, scales] + ([zero_points] if zero_points is not None else []),
+            attributes=attributes,
             domain="com.microsoft",
         )
+        if split:  # [B, 2T, N] → the two halves' sum [B, T, N]
+            pairs = tape.op("Reshape", [result, _shared(graph, f"shape.0x2x-1x{n}", np.array([0, 2, -1, n]))])
+            result = tape.op("ReduceSum", [pairs, _shared(graph, "axis.1", np.array([1]))], attributes={"keepdims": 0})
     if offsets is not None:
         # blocksum(A) as a product with a 0/1 block indicator [K, blocks]: one small MatMul, where Reshape +
         # ReduceSum cost ~3x more per step (the Reshape copies A, which MatMulNBits also reads)
         sums = tape.op("MatMul", [x, _block_indicator(graph, k, block_size)])
         result = tape.op("Add", [result, tape.op("MatMul", [sums, offsets])])
     return result
+
+
+def _split_rows(graph: ir.Graph, tape: ir.tape.Tape, x: ir.Value, k: int, block_size: int) -> ir.Value:
+    """x [B, T, K] → [B, 2T, K]: T rows ``high`` then T rows ``low = x - high``, where ``high`` is x rounded onto the
+    int8 grid of each of its blocks (absmax/127 per ``block_size`` inputs, as ONNX Runtime's int8 kernel quantizes
+    its input) and ``low`` the rest. The kernel's own rounding then leaves ``high`` as it is and rounds only
+    ``low``, ~1/254 of x, so the product's error is ~1/127 of int8 activations' (SmolLM2: max |Δlogit| 5e-3
+    instead of 1.4, greedy answers as fp32's). One kernel call with twice the rows: decoding reads the weight once.
+    Where a kernel quantizes its input in other blocks (not x86 MLAS), ``high`` is rounded again and the result is
+    no worse than plain int8 activations."""
+    blocks = tape.op("Reshape", [x, _shared(graph, f"shape.0x0x-1x{block_size}", np.array([0, 0, -1, block_size]))])
+    largest = tape.op(
+        "ReduceMax",
+        [tape.op("Abs", [blocks]), _shared(graph, "axis.last", np.array([-1]))],
+        attributes={"keepdims": 1},
+    )
+    # a block of zeros keeps step 1e-30 rather than 0 (0/0); its high and low parts are both 0
+    step = tape.op(
+        "Max",
+        [
+            tape.op("Div", [largest, _shared(graph, "int8.levels", np.array(127, np.float32))]),
+            _shared(graph, "step.tiny", np.array(1e-30, np.float32)),
+        ],
+    )
+    high = tape.op("Mul", [tape.op("Round", [tape.op("Div", [blocks, step])]), step])
+    both = tape.op("Concat", [high, tape.op("Sub", [blocks, high])], attributes={"axis": 1})
+    return tape.op("Reshape", [both, _shared(graph, f"shape.0x0x{k}", np.array([0, 0, k]))])
 
 
 def _block_indicator(graph: ir.Graph, k: int, block_size: int) -> ir.Value:

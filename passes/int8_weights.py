@@ -19,13 +19,15 @@ from edgec.passes._weights import (
 BLOCK_SIZES = (32, 64, 128)
 
 
-def int8_weights(model: ir.Model, block_size: int = 32, accuracy_level: int = 4) -> int:
-    """Rewrite in place; returns how many weights were quantized."""
+def int8_weights(
+    model: ir.Model, block_size: int = 32, accuracy_level: int = 4, split_activations: bool = False
+) -> int:
+    """Rewrite in place; returns how many weights were quantized. ``split_activations``: as in ``int4_weights``."""
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}")
     materialize_transposed_weights(model)
-    shared_embedding(model, block_size, symmetric=True, accuracy_level=4, bits=8)
-    matmul_nbits(model, block_size, symmetric=True, accuracy_level=accuracy_level, bits=8)
+    shared_embedding(model, block_size, True, 4, bits=8, split_activations=split_activations)
+    matmul_nbits(model, block_size, True, accuracy_level, bits=8, split_activations=split_activations)
     gather_block_quantized(model, block_size)
     return sum(node.op_type in ("MatMulNBits", "GatherBlockQuantized") for node in model.graph)
 

@@ -2,7 +2,8 @@
 
 ONNX Runtime folds the constant ops of a carried weight (fp16 steps → fp32 scales, narrow codes → kernel codes)
 when it loads the graph; saving its optimized model gives the numbers its kernels then use. Every MatMulNBits
-(with its offset product, or the two halves of an 8-bit weight at fp32 activations) is dequantized exactly and
+(with its offset product, or the two halves of an 8-bit weight at fp32 activations; through the sum of the two
+rows of split activations) is dequantized exactly and
 rounded once to fp32, column by column, and compared bit for bit with the rows ``gguf.quants.dequantize`` gives.
 """
 
@@ -66,7 +67,13 @@ def bundle_weight_rows(bundle: Path, folder: Path) -> tuple[list[np.ndarray], li
         if node.op_type != "MatMulNBits" or node.name in done:
             continue
         total = _dequantized(node, values)
-        (add,) = consumers[node.output[0]] if len(consumers[node.output[0]]) == 1 else (None,)
+        output = node.output[0]
+        after = consumers[output]
+        if len(after) == 1 and after[0].op_type == "Reshape":  # split activations: the two rows' sum
+            (summed,) = consumers[after[0].output[0]]
+            assert summed.op_type == "ReduceSum", summed.op_type
+            output = summed.output[0]
+        (add,) = consumers[output] if len(consumers[output]) == 1 else (None,)
         if add is not None and add.op_type == "Add":
             other = producer.get(next(name for name in add.input if name != node.output[0]))
             if other is not None and other.op_type == "MatMulNBits":  # an 8-bit weight as two 4-bit halves

@@ -123,6 +123,8 @@ def test_bad_models_are_refused(make, needles, tmp_path, tiny_llama):
         (["--context", "0"], ["--context must be a positive"]),
         (["--context", "100000"], ["longer than the model was trained for"]),
         (["--prefill-chunk", "-3"], ["--prefill-chunk must be positive"]),
+        (["--split-activations"], ["--split-activations", "needs --weights int4 or int8"]),
+        (["--weights", "int4", "--accuracy-level", "1", "--split-activations"], ["at --accuracy-level 2-4"]),
     ],
 )
 def test_bad_settings_are_refused(options, needles, tiny_llama, tmp_path):

@@ -25,11 +25,17 @@ def mixed_gguf(tmp_path_factory, tiny_tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, mixed_gguf) -> dict[str, Path]:
-    """fp32, int4 at accuracy level 1 (fp32 activations) and int4 at the default level, from the same GGUF."""
+    """fp32, int4 at accuracy level 1 (fp32 activations), int4 at the default level (int8 activations split in two
+    rows) and with plain int8 activations, from the same GGUF."""
     from edgec.build import BuildSettings, build
 
     root = tmp_path_factory.mktemp("bundles")
-    variants = {"fp32": {}, "int4-l1": {"weights": "int4", "accuracy_level": 1}, "int4": {"weights": "int4"}}
+    variants = {
+        "fp32": {},
+        "int4-l1": {"weights": "int4", "accuracy_level": 1},
+        "int4": {"weights": "int4"},  # int8 activations, split in two rows (the default for a GGUF's blocks)
+        "int4-one-row": {"weights": "int4", "split_activations": False},
+    }
     for name, extra in variants.items():
         build(mixed_gguf, root / name, BuildSettings(context=128, prefill_chunk=32, **extra))
     return {name: root / name for name in variants}
@@ -54,7 +60,7 @@ def test_a_weight_not_in_the_file_is_not_carried(mixed_gguf):
     assert blocks.record()["carried_exactly"] == 0
 
 
-@pytest.mark.parametrize("name", ["int4-l1", "int4"])
+@pytest.mark.parametrize("name", ["int4-l1", "int4", "int4-one-row"])
 def test_every_linear_layer_is_the_gguf_s_bit_for_bit(built, mixed_gguf, name, tmp_path):
     weights = assert_weights_are_the_gguf_s(built[name], mixed_gguf, tmp_path)
     assert weights == LAYERS * 4 + 1  # qkv, o, gate|up, down per layer, and the tied lm_head
@@ -70,6 +76,28 @@ def test_level_1_logits_are_the_fp32_bundle_s(built):
     reference, exact = Model.load(built["fp32"]), Model.load(built["int4-l1"])
     assert np.abs(reference.logprobs(ids) - exact.logprobs(ids)).max() < 1e-3
     assert np.abs(reference.next_token_logits(ids) - exact.next_token_logits(ids)).max() < 1e-3
+
+
+def test_split_activations_keep_the_fp32_bundle_s_logits(built):
+    """The default for a GGUF's blocks: each int8 activation as its int8 rounding plus the rest, so the kernel's own
+    rounding touches only the rest. Far closer to fp32 than one row of int8 activations, on every product."""
+    import onnx
+
+    from edgec.runtime import Model
+
+    settings = {name: json.loads((built[name] / "manifest.json").read_text())["build_settings"] for name in built}
+    assert settings["int4"]["split_activations"] and not settings["int4-one-row"]["split_activations"]
+    assert not settings["int4-l1"]["split_activations"]  # fp32 activations have nothing to split
+    graph = onnx.load(str(built["int4"] / "model.onnx"), load_external_data=False).graph
+    products = [node for node in graph.node if node.op_type == "MatMulNBits"]
+    assert products and all(dict((a.name, a.i) for a in n.attribute)["accuracy_level"] == 4 for n in products)
+    assert sum(node.op_type == "Concat" for node in graph.node) >= len(products)  # every product's two rows
+    ids = np.random.default_rng(5).integers(0, 384, 60).tolist()
+    reference = Model.load(built["fp32"]).logprobs(ids)
+    split = np.abs(Model.load(built["int4"]).logprobs(ids) - reference).max()
+    one_row = np.abs(Model.load(built["int4-one-row"]).logprobs(ids) - reference).max()
+    print(f"max |Δ logprob| vs fp32: split {split:.2e}, one row {one_row:.2e}")
+    assert split < 1e-2 and split * 20 < one_row, (split, one_row)
 
 
 def _stored_bytes(bundle: Path) -> dict[str, int]:
@@ -89,7 +117,7 @@ def test_weights_are_no_bigger_than_the_gguf_s(built, mixed_gguf):
     """The GGUF's numbers at their own width (fp16 steps and minima, small-integer sub-scales); what the graph
     adds of its own (RoPE tables, sized by the context) is not a weight."""
     tensor_bytes = sum(int(tensor.n_bytes) for tensor in gguf.GGUFReader(str(mixed_gguf)).tensors)
-    for name in ("int4-l1", "int4"):
+    for name in ("int4-l1", "int4", "int4-one-row"):
         stored = _stored_bytes(built[name])
         assert sum(stored.values()) == (built[name] / "model.onnx.data").stat().st_size
         weights = sum(size for tensor, size in stored.items() if not tensor.startswith("rope"))

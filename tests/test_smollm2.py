@@ -125,3 +125,18 @@ def test_int4_from_the_q4_1_gguf_is_lossless(smollm2_path, bundles, tmp_path_fac
     assert data(out) < 0.3 * data(bundles["cpu"])
     # 4 MatMulNBits per layer; the Q8_0 lm_head as two exact 4-bit products at level 1; the embedding's gather
     assert result.manifest["passes"]["int4_weights"] == 30 * 4 + 2 + 1
+
+
+def test_default_int4_answers_as_the_fp32_bundle(smollm2_path, bundles, prompts, tmp_path_factory):
+    """Issue 16's default: the GGUF's blocks carried exactly and int8 activations split in two rows (the kernel's
+    rounding then touches only the remainder): greedy answers are the fp32 bundle's (the GGUF dequantized); with
+    one row of int8 activations the France question already turns into "L'Étoile, la Marseillaise…"."""
+    out = tmp_path_factory.mktemp("smollm2-int4-default") / "smol.int4.edgec"
+    result = build(smollm2_path, out, BuildSettings(target="cpu", context=2048, weights="int4"))
+    assert result.manifest["build_settings"]["split_activations"] is True
+    fp32, quantized = Model.load(bundles["cpu"]), Model.load(out)
+    for ids in prompts:
+        ids = ids[-1000:]
+        assert np.abs(fp32.next_token_logits(ids) - quantized.next_token_logits(ids)).max() < 2e-2
+        want = list(fp32.generate_ids(ids, max_new_tokens=32))
+        assert list(quantized.generate_ids(ids, max_new_tokens=32)) == want, quantized.decode(want)

@@ -239,3 +239,20 @@ def test_portable_form_has_zero_points_only_where_the_runtime_reads_them():
     assert plan("rtx3060")["form"] == "qdq" and plan("rtx3060")["symmetric"]  # TensorRT: INT4 without zero points
     assert plan("cpu", int4_form="qdq") == {**plan("cpu"), "form": "qdq"}  # ONNX Runtime reads both
     assert plan("cpu", int4_form="qdq", symmetric=True)["symmetric"]
+
+
+def test_split_activations_on_an_hf_folder_only_when_asked(tiny_llama, tmp_path):
+    """Rounded weights (an HF folder's) keep one row of int8 activations unless asked: the weights' own error
+    dominates there, and the split costs speed. Asked, every product gets its two rows and the manifest says so."""
+    import onnx
+
+    from edgec.build import BuildSettings, build
+
+    for asked in (None, True):
+        out = tmp_path / f"split-{asked}.edgec"
+        result = build(tiny_llama, out, BuildSettings(context=64, weights="int4", split_activations=asked))
+        assert result.manifest["build_settings"]["split_activations"] is bool(asked)
+        nodes = onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node
+        products = sum(node.op_type == "MatMulNBits" for node in nodes)
+        reduced = sum(node.op_type == "ReduceSum" for node in nodes)
+        assert products and reduced == (products if asked else 0)
