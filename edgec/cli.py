@@ -766,7 +766,7 @@ def _write_plots(draw) -> None:
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the report here.")
 @click.option("--plots", type=click.Path(path_type=Path), default=None, help="Write PNG figures into this folder.")
 @click.option(
-    "--windows", default="512,1024", show_default=True, callback=_positive_ints, help="Perplexity window lengths."
+    "--windows", default=None, callback=_positive_ints, help="Perplexity window lengths [default: 512,1024 that fit]."
 )
 @click.option(
     "--window-count", type=click.IntRange(1), default=2, show_default=True, help="Perplexity windows per length."
@@ -790,8 +790,8 @@ def evaluate_command(bundles, text, reference, only, json_out, plots, **options)
 
     \b
     Example:
-      edgec eval smol.cpu.edgec smol-int4.edgec --reference SmolLM2-135M-Instruct.Q4_1.gguf --text book.txt \
-        --json eval.json --plots eval-png/
+      edgec eval smol.cpu.edgec smol-int4.edgec --reference smol.cpu.edgec --text book.txt --plots png/
+      edgec eval smol-int4.edgec --reference SmolLM2-135M-Instruct.Q4_1.gguf --text book.txt --json eval.json
       edgec eval smol.cpu.edgec --text book.txt --only perplexity,consistency --windows 1024 --window-count 4
     """
     from edgec.evaluate import EvalSettings, check_metrics, evaluate, summary
@@ -800,12 +800,11 @@ def evaluate_command(bundles, text, reference, only, json_out, plots, **options)
     quiet_progress_environment()  # before transformers is imported (a reference model)
     names = [part.strip() for part in only.split(",")] if only else list(EVAL_METRICS)
     options["metrics"] = check_metrics(names, reference, explicit=only is not None)
-    skipped = [m for m in names if m not in options["metrics"]]
-    if skipped:
-        click.echo(f"note: {', '.join(skipped)} need --reference; left out", err=True)
     with task_progress() as progress:
         report = evaluate(bundles, text, EvalSettings(**options), reference=reference, progress=progress)
     _print_sections(summary(report))
+    if skipped := [m for m in names if m not in options["metrics"]]:
+        click.echo(f"note: {', '.join(skipped)} need --reference; left out", err=True)
     if json_out is not None:
         _write_json(json_out, report)
     if plots is not None:

@@ -48,6 +48,7 @@ QUESTION = "\n\nWhat is the pass key? The pass key is"
 PASSKEY_NEW_TOKENS = 8
 PROMPT_TOKENS = 64  # agreement and consistency prompts: this many tokens of the text
 CURVE_PROMPT = 16  # error curve: tokens read as a prompt before the decode steps
+DEFAULT_WINDOWS = (512, 1024)
 DEFAULT_PASSKEY_LENGTHS = (512, 1024, 2048)
 DEFAULT_CURVE_TOKENS = 1024
 
@@ -57,7 +58,7 @@ Progress = Callable[[str, int, int], None]  # (task, done, total)
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
     metrics: tuple[str, ...] = METRICS
-    windows: tuple[int, ...] = (512, 1024)  # perplexity window lengths
+    windows: tuple[int, ...] | None = None  # perplexity window lengths; None: 512 and 1024 as far as contexts allow
     window_count: int = 2  # windows per length
     lengths: tuple[int, ...] | None = None  # passkey lengths; None: 512/1024/2048 as far as every context allows
     depths: tuple[float, ...] = (0.1, 0.5, 0.9)
@@ -144,13 +145,16 @@ def resolve(settings: EvalSettings, subjects: list[Subject], reference_context: 
     against every bundle and the text; an error names the setting, the bundle and what would fit."""
     contexts = [s.context for s in subjects] + ([reference_context] if reference_context else [])
     smallest = min(contexts)
+    windows = settings.windows
+    if windows is None:
+        windows = tuple(n for n in DEFAULT_WINDOWS if n <= smallest) or (smallest,)
     lengths = settings.lengths
     if lengths is None:
         lengths = tuple(n for n in DEFAULT_PASSKEY_LENGTHS if n <= smallest) or (smallest,)
     curve = settings.curve_tokens
     if curve is None:
         curve = min([DEFAULT_CURVE_TOKENS, smallest] + [len(s.ids) for s in subjects])
-    settings = dataclasses.replace(settings, lengths=tuple(lengths), curve_tokens=curve)
+    settings = dataclasses.replace(settings, windows=tuple(windows), lengths=tuple(lengths), curve_tokens=curve)
     for subject in subjects:
         _check_subject(settings, subject, reference_context)
     return settings

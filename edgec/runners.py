@@ -4,7 +4,6 @@ folder or GGUF file run by transformers + torch (eval's reference), an onnxrunti
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -134,11 +133,13 @@ def genai_config(folder: Path) -> dict:
 
 
 def require_genai(folder: Path) -> None:
-    if importlib.util.find_spec("onnxruntime_genai") is None:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
         raise EdgecError(
             f"{one_line(folder)} is an onnxruntime-genai model; running it needs onnxruntime_genai, which is not "
             "installed: pip install onnxruntime-genai"
-        )
+        ) from None
 
 
 class GenaiRunner:
