@@ -36,9 +36,8 @@ BUILD_MODULES = (
     "cryptography",
 )
 
+from edgec.evaluate import METRICS as EVAL_METRICS  # noqa: E402  (numpy only)
 from edgec.kvcache.compression import Compression  # noqa: E402  (numpy only; after the click check)
-
-EVAL_METRICS = ("perplexity", "passkey", "agreement", "consistency", "error_curve")  # edgec.evaluate.METRICS
 
 
 class _Group(click.Group):
