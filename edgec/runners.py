@@ -4,6 +4,7 @@ folder or GGUF file run by transformers + torch (eval's reference), an onnxrunti
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -91,8 +92,10 @@ class TorchRunner:
         self.eos_token_ids: set[int] = set()
 
     def _forward(self, ids: Sequence[int], cache):
-        out = self.model(self.torch.tensor([list(ids)]), past_key_values=cache, use_cache=True)
-        return out.logits[0].float().numpy(), out.past_key_values
+        # transformers 5 renames past_key_values to cache (the old name warns, then goes): whichever this one takes
+        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        out = self.model(self.torch.tensor([list(ids)]), use_cache=True, **{name: cache})
+        return out.logits[0].float().numpy(), getattr(out, name)
 
     def logits(self, ids: Sequence[int], prompt_tokens: int | None = None) -> Logits:
         """Every position's logits, in chunks through the model's own cache (exact whichever way it is fed)."""
