@@ -774,7 +774,7 @@ def _write_plots(draw) -> None:
     "--lengths", default=None, callback=_positive_ints, help="Passkey prompt lengths [default: 512,1024,2048 that fit]."
 )
 @click.option("--depths", default="0.1,0.5,0.9", show_default=True, callback=_fractions, help="Passkey depths.")
-@click.option("--trials", type=click.IntRange(1), default=2, show_default=True, help="Passkey trials per cell.")
+@click.option("--trials", type=click.IntRange(1), default=1, show_default=True, help="Passkey trials per cell.")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Passkey keys.")
 @click.option("--prompts", type=click.IntRange(1), default=3, show_default=True, help="Agreement prompts.")
 @click.option("--new-tokens", type=click.IntRange(1), default=32, show_default=True, help="Agreement, consistency.")

@@ -62,7 +62,7 @@ class EvalSettings:
     window_count: int = 2  # windows per length
     lengths: tuple[int, ...] | None = None  # passkey lengths; None: 512/1024/2048 as far as every context allows
     depths: tuple[float, ...] = (0.1, 0.5, 0.9)
-    trials: int = 2  # passkey trials per cell
+    trials: int = 1  # passkey trials per cell
     seed: int = 0
     prompts: int = 3  # agreement prompts
     new_tokens: int = 32  # agreement and consistency

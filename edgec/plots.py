@@ -117,8 +117,8 @@ def _ppl_kv(plt, report):
     reference = (report.get("reference") or {}).get("perplexity")
     if reference:
         axis.axhline(reference["windows"][window]["perplexity"], color="grey", linestyle="--", label="reference")
-    axis.set_xscale("log")
-    axis.set_xlabel(f"KV cache MiB holding {window} tokens (log)")
+    axis.set_xlim(left=0, right=axis.get_xlim()[1] * 1.15)  # room for the labels
+    axis.set_xlabel(f"KV cache MiB holding {window} tokens")
     axis.set_ylabel(f"perplexity, {window}-token windows")
     axis.legend(fontsize=8)
     axis.set_title(f"perplexity vs KV bytes — {_caption(report)}", fontsize=9)
