@@ -202,7 +202,11 @@ class Worker:
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1
         )
-        self._receive()  # ready, or the reason it is not
+        try:
+            self._receive()  # ready, or the reason it is not
+        except EdgecError:
+            self.log.close()
+            raise
 
     def _receive(self) -> dict:
         line = self.process.stdout.readline()

@@ -682,7 +682,7 @@ def task_progress():
 
         def line(task: str, done: int, total: int) -> None:
             tenth = 10 * done // total if total else 0
-            if shown.get(task) != tenth or (done == total and shown.get(task, -1) >= 0 and tenth != 10):
+            if shown.get(task) != tenth:  # each tenth of a task once (its start and its end included)
                 shown[task] = tenth
                 click.echo(f"[{time.monotonic() - started:7.1f} s] {one_line(task)} {done}/{total}")
 
