@@ -51,7 +51,12 @@ def _passkey(plt, report):
     if not bundles:
         return None
     figure, axes = plt.subplots(
-        1, len(bundles), figsize=(3.2 * len(bundles) + 1.4, 3.6), squeeze=False, sharey=True, layout="constrained"
+        1,
+        len(bundles),
+        figsize=(max(3.2 * len(bundles) + 1.4, 6), 3.8),
+        squeeze=False,
+        sharey=True,
+        layout="constrained",
     )
     for axis, bundle in zip(axes[0], bundles, strict=True):
         result = bundle["passkey"]
@@ -65,8 +70,9 @@ def _passkey(plt, report):
             axis.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=8)
     axes[0][0].set_ylabel("prompt tokens")
     figure.colorbar(image, ax=axes[0].tolist(), label="passkey accuracy")
+    trials = bundles[0]["passkey"]["trials"]
     figure.suptitle(
-        f"passkey retrieval, {bundles[0]['passkey']['trials']} trials per cell — {_caption(report)}", fontsize=9
+        f"passkey retrieval, {trials} trial{'s' if trials > 1 else ''} per cell\n{_caption(report)}", fontsize=9
     )
     return figure
 
@@ -161,10 +167,16 @@ def bench_plot(report: dict[str, Any], path: Path) -> Path:
     names = [engine["name"] for engine in report["engines"]]
     axes[2].barh(
         names,
-        [engine["peak_rss_bytes"] / 2**30 for engine in report["engines"]],
+        [(engine["peak_rss_bytes"] or 0) / 2**30 for engine in report["engines"]],
         color=[f"C{i}" for i in range(len(names))],
     )
     axes[2].set_xlabel(f"peak RSS, GiB (lower is better)\nload + {contexts[-1]}-token prompt + decode")
+    for index, engine in enumerate(report["engines"]):
+        if engine["peak_rss_bytes"]:
+            axes[2].text(
+                engine["peak_rss_bytes"] / 2**30, index, f" {engine['peak_rss_bytes'] / 2**30:.2f}", va="center"
+            )
+    axes[2].set_xlim(right=axes[2].get_xlim()[1] * 1.2)  # room for the labels
     axes[2].invert_yaxis()
     figure.suptitle(
         f"{report['threads'] or 'default'} threads, {report['rounds']} alternating rounds — {_caption(report)}",
