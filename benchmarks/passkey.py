@@ -26,17 +26,14 @@ from pathlib import Path
 
 import numpy as np
 
+from edgec.errors import EdgecError
+from edgec.evaluate import INTRO, NEEDLE, PASSKEY_NEW_TOKENS, QUESTION, passkey_ids
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measure  # noqa: E402
 import models  # noqa: E402
 
-INTRO = (
-    "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it. "
-    "I will quiz you about the important information there.\n\n"
-)
-NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
-QUESTION = "\n\nWhat is the pass key? The pass key is"
-NEW_TOKENS = 8
+NEW_TOKENS = PASSKEY_NEW_TOKENS
 FILLER_BOOKS = ("prideprejudice.txt", "emma.txt", "mansfieldpark.txt")  # > 32K tokens together
 
 
@@ -49,15 +46,15 @@ def make_trials(lengths: list[int], depths: list[float], count: int, seed: int) 
 
 
 def prompt_ids(tokenizer, bos: int | None, trial: dict, filler: list[int]) -> list[int]:
-    """[BOS] intro filler[:a] needle filler[a:b] question, ``trial['length']`` tokens in all."""
+    """[BOS] intro filler[:a] needle filler[a:b] question, ``trial['length']`` tokens in all (the prompt `edgec eval`
+    builds: ``edgec.evaluate.passkey_ids``)."""
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
     head = ([bos] if bos is not None else []) + encode(INTRO)
     needle, question = encode(NEEDLE.format(key=trial["key"])), encode(QUESTION)
-    room = trial["length"] - len(head) - len(needle) - len(question)
-    if room > len(filler):
-        sys.exit(f"not enough filler text for {trial['length']} tokens")
-    split = int(room * trial["depth"])
-    return head + filler[:split] + needle + filler[split:room] + question
+    try:
+        return passkey_ids(head, filler, needle, question, trial["length"], trial["depth"])
+    except EdgecError as error:
+        sys.exit(str(error))
 
 
 def worker(engine: str, bundle: Path, trials: list[dict]) -> None:

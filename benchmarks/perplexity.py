@@ -4,7 +4,8 @@
     python benchmarks/perplexity.py --genai benchmarks/out/genai-int4     # an onnxruntime-genai model folder
 
 Each window is scored on its own (``Model.logprobs`` over ``encode(text)[i*1024:(i+1)*1024]``, i = 0..3), the
-way docs/BENCHMARKS.md reports every perplexity; also prints the bundle's weight bytes per parameter.
+way docs/BENCHMARKS.md reports every perplexity (``edgec.evaluate.window_perplexity``, as `edgec eval --windows
+1024 --window-count 4` computes it); also prints the bundle's weight bytes per parameter.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from edgec.evaluate import window_perplexity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models  # noqa: E402
@@ -32,8 +35,7 @@ def perplexity(bundle: Path, threads: int = 2, onnx_cpu: bool = False) -> float:
     else:
         model = Model.load(bundle, threads=threads)
     ids = model.encode(models.austen_text())
-    logprobs = np.concatenate([model.logprobs(ids[i * WINDOW : (i + 1) * WINDOW]) for i in range(WINDOWS)])
-    return float(np.exp(-logprobs.mean()))
+    return window_perplexity(model.logprobs, ids, WINDOW, WINDOWS)["perplexity"]  # what `edgec eval` reports
 
 
 def genai_perplexity(folder: Path) -> float:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
+from typing import Any
 
 from edgec.errors import EdgecError, one_line
 
@@ -34,6 +36,7 @@ BUILD_MODULES = (
     "cryptography",
 )
 
+from edgec.evaluate import METRICS as EVAL_METRICS  # noqa: E402  (numpy only)
 from edgec.kvcache.compression import Compression  # noqa: E402  (numpy only; after the click check)
 
 
@@ -653,6 +656,218 @@ def terminal_text(text: str) -> str:
     """Generated text for a terminal: a bundle's tokenizer may emit escape sequences that drive the terminal, so
     control characters other than newline, tab and carriage return are shown escaped."""
     return "".join(char if char.isprintable() or char in "\n\t\r" else repr(char)[1:-1] for char in text)
+
+
+def _positive_ints(ctx, param, value: str | None) -> tuple[int, ...] | None:
+    """A click callback: ``512,1024`` → (512, 1024)."""
+    if value is None:
+        return None
+    try:
+        numbers = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r}: give whole numbers of tokens separated by commas, e.g. 512,1024"
+        ) from None
+    if min(numbers) < 1:
+        raise click.BadParameter(f"{value!r}: every number must be at least 1")
+    return numbers
+
+
+def _fractions(ctx, param, value: str) -> tuple[float, ...]:
+    """A click callback: ``0.1,0.5`` → (0.1, 0.5), each in [0, 1]."""
+    try:
+        numbers = tuple(float(part) for part in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give numbers from 0 to 1 separated by commas, e.g. 0.1,0.5,0.9") from None
+    if not all(0 <= n <= 1 for n in numbers):
+        raise click.BadParameter(f"{value!r}: every depth must lie in [0, 1]")
+    return numbers
+
+
+@contextlib.contextmanager
+def task_progress():
+    """A progress callback ``(task, done, total)``: rich bars on a terminal, plain lines at every tenth of a task
+    (with the seconds since the start) when output goes to a file or a pipe."""
+    import time
+
+    from rich.console import Console
+
+    if not Console().is_terminal:
+        started, shown = time.monotonic(), {}
+
+        def line(task: str, done: int, total: int) -> None:
+            tenth = 10 * done // total if total else 0
+            if shown.get(task) != tenth:  # each tenth of a task once (its start and its end included)
+                shown[task] = tenth
+                click.echo(f"[{time.monotonic() - started:7.1f} s] {one_line(task)} {done}/{total}")
+
+        yield line
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description:<28}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
+    with Progress(*columns, TimeElapsedColumn(), transient=False) as progress:
+        tasks: dict[str, Any] = {}
+
+        def bar(task: str, done: int, total: int) -> None:
+            if task not in tasks:
+                tasks[task] = progress.add_task(one_line(task, 28), total=total)
+            progress.update(tasks[task], completed=done, total=total)
+
+        yield bar
+
+
+def _print_sections(sections) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    console = plain_console()
+    for title, columns, rows in sections:
+        table = Table(*columns, title=title)
+        for row in rows:
+            table.add_row(*(Text(one_line(cell, 200)) for cell in row))
+        console.print(table)
+
+
+def _write_json(path: Path, report: dict) -> None:
+    import json
+    import math
+
+    def finite(value):  # JSON has no NaN: a rate that could not be measured is null
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {key: finite(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(item) for item in value]
+        return value
+
+    try:
+        path.write_text(json.dumps(finite(report), indent=1) + "\n")
+    except OSError as error:
+        raise EdgecError(f"cannot write --json {path}: {error.strerror or error}") from None
+    click.echo(f"wrote {one_line(path)}")
+
+
+def _write_plots(draw) -> None:
+    """Run a plots function; without matplotlib one note line on stderr (the JSON and tables do not need it)."""
+    from edgec.plots import PlottingUnavailable
+
+    try:
+        written = draw()
+    except PlottingUnavailable as missing:
+        click.echo(f"note: {missing}", err=True)
+        return
+    except OSError as error:
+        raise EdgecError(
+            f"cannot write the PNGs: {error.strerror or error} ({one_line(error.filename or '')})"
+        ) from None
+    for path in written:
+        click.echo(f"wrote {one_line(path)}")
+
+
+@main.command(name="eval")
+@click.argument("bundles", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--text", type=click.Path(path_type=Path), required=True, help="UTF-8 text the metrics draw from.")
+@click.option(
+    "--reference",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="What the bundles are compared with (agreement, error curve, a baseline perplexity): another bundle, or "
+    "the source model (Hugging Face folder or .gguf, run with transformers + torch).",
+)
+@click.option("--only", default=None, help="Comma-separated metrics to run: " + ", ".join(EVAL_METRICS) + ".")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the report here.")
+@click.option("--plots", type=click.Path(path_type=Path), default=None, help="Write PNG figures into this folder.")
+@click.option(
+    "--windows", default=None, callback=_positive_ints, help="Perplexity window lengths [default: 512,1024 that fit]."
+)
+@click.option(
+    "--window-count", type=click.IntRange(1), default=2, show_default=True, help="Perplexity windows per length."
+)
+@click.option(
+    "--lengths", default=None, callback=_positive_ints, help="Passkey prompt lengths [default: 512,1024,2048 that fit]."
+)
+@click.option("--depths", default="0.1,0.5,0.9", show_default=True, callback=_fractions, help="Passkey depths.")
+@click.option("--trials", type=click.IntRange(1), default=1, show_default=True, help="Passkey trials per cell.")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Passkey keys.")
+@click.option("--prompts", type=click.IntRange(1), default=3, show_default=True, help="Agreement prompts.")
+@click.option("--new-tokens", type=click.IntRange(1), default=32, show_default=True, help="Agreement, consistency.")
+@click.option("--runs", type=click.IntRange(2), default=3, show_default=True, help="Consistency: runs of one prompt.")
+@click.option(
+    "--curve-tokens", type=click.IntRange(1), default=None, help="Error curve length [default: 1024 that fit]."
+)
+@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime threads [default: its own].")
+def evaluate_command(bundles, text, reference, only, json_out, plots, **options) -> None:
+    """Measure bundles on a text: perplexity, passkey grid, greedy agreement with and error accumulation against
+    a reference, consistency across runs; a table, and --json / --plots files.
+
+    \b
+    Example:
+      edgec eval smol.cpu.edgec smol-int4.edgec --reference smol.cpu.edgec --text book.txt --plots png/
+      edgec eval smol-int4.edgec --reference SmolLM2-135M-Instruct.Q4_1.gguf --text book.txt --json eval.json
+      edgec eval smol.cpu.edgec --text book.txt --only perplexity,consistency --windows 1024 --window-count 4
+    """
+    from edgec.evaluate import EvalSettings, check_metrics, evaluate, summary
+    from edgec.load import quiet_progress_environment
+
+    quiet_progress_environment()  # before transformers is imported (a reference model)
+    names = [part.strip() for part in only.split(",")] if only else list(EVAL_METRICS)
+    options["metrics"] = check_metrics(names, reference, explicit=only is not None)
+    with task_progress() as progress:
+        report = evaluate(bundles, text, EvalSettings(**options), reference=reference, progress=progress)
+    _print_sections(summary(report))
+    if skipped := [m for m in names if m not in options["metrics"]]:
+        click.echo(f"note: {', '.join(skipped)} need --reference; left out", err=True)
+    if json_out is not None:
+        _write_json(json_out, report)
+    if plots is not None:
+        from edgec.plots import eval_plots
+
+        _write_plots(lambda: eval_plots(report, plots))
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option(
+    "--vs",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Another engine to compare with (repeatable): an edgec bundle or an onnxruntime-genai model folder.",
+)
+@click.option("--contexts", default=None, callback=_positive_ints, help="Prompt lengths [default: 256,1024 that fit].")
+@click.option("--new-tokens", type=click.IntRange(1), default=32, show_default=True, help="Decode steps per run.")
+@click.option("--rounds", type=click.IntRange(1), default=3, show_default=True, help="Alternating rounds.")
+@click.option("--threads", type=click.IntRange(1), default=None, help="Threads per engine [default: its own].")
+@click.option("--text", type=click.Path(path_type=Path), default=None, help="Prompt text [default: Python's docs].")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the report here.")
+@click.option("--plot", type=click.Path(path_type=Path), default=None, help="Write a PNG here.")
+def bench(bundle, vs, contexts, new_tokens, rounds, threads, text, json_out, plot) -> None:
+    """Time a bundle: time to first token, prefill and decode tokens/s per prompt length, peak RSS and KV bytes;
+    with --vs, the same for other engines in alternating rounds, and the per-round ratios.
+
+    Each engine runs in a process of its own (its peak RSS is its own); every engine is fed the same token ids.
+
+    \b
+    Example:
+      edgec bench smol.cpu.edgec --vs smol-int4.edgec --contexts 256,1024 --rounds 5 --json bench.json --plot bench.png
+      edgec bench smol.cpu.edgec --vs genai-fp32/ --threads 2
+    """
+    from edgec.bench import BenchSettings, summary
+    from edgec.bench import bench as run_bench
+    from edgec.evaluate import read_text
+
+    prompt_text = read_text(text) if text is not None else None
+    settings = BenchSettings(contexts=contexts, new_tokens=new_tokens, rounds=rounds, threads=threads)
+    with task_progress() as progress:
+        report = run_bench(bundle, vs, settings, text=prompt_text, progress=progress)
+    _print_sections(summary(report))
+    if json_out is not None:
+        _write_json(json_out, report)
+    if plot is not None:
+        from edgec.plots import bench_plot
+
+        _write_plots(lambda: [bench_plot(report, plot)])
 
 
 @main.command()

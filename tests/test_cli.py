@@ -25,7 +25,7 @@ def assert_clean_failure(result, *needles: str) -> None:
         assert needle in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("command", [[], ["build"], ["run"], ["inspect"]])
+@pytest.mark.parametrize("command", [[], ["build"], ["run"], ["inspect"], ["eval"], ["bench"]])
 def test_help_has_an_example(command):
     result = invoke(*command, "--help")
     assert result.exit_code == 0

@@ -219,6 +219,14 @@ class CacheSpec:
             )
         )
 
+    def bytes_for(self, tokens: int) -> int:
+        """Bytes of the cache state that ``tokens`` tokens of context fill: each layer holds min(its slots, tokens)
+        (compressed layers and sliding-window rings stop growing at their capacity; ``total_bytes`` is what the
+        runtime allocates)."""
+        return int(
+            sum(layer.num_kv_heads * min(layer.capacity, tokens) * self._slot_bytes(layer) for layer in self.layers)
+        )
+
     def total_bytes(self) -> int:
         """Bytes of the whole cache state at full capacity."""
         return int(sum(layer.num_kv_heads * layer.capacity * self._slot_bytes(layer) for layer in self.layers))

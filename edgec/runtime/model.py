@@ -320,6 +320,36 @@ class Model:
         with self._state() as state:
             return self._prefill(state, ids, all_logits=True, flags=flags, reduce=chunk_logprobs)[:-1]
 
+    def iter_logits(
+        self, token_ids: Sequence[int], prompt_tokens: int | None = None, protect: Protect = None
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """The logits of every position of ``token_ids``, piece by piece as ``(first position, logits [n, vocab])``,
+        through the real cache path: the first ``prompt_tokens`` (default: all) are read as a prompt (in prefill
+        chunks, compressed as the bundle's settings say), then every later token is fed as one decode step, the
+        way generation feeds the tokens it makes (so a compressed cache evicts and quantizes as it would while
+        generating). Holds a cache state until the iterator is exhausted or closed."""
+        if isinstance(token_ids, str):
+            raise TypeError("iter_logits takes token ids; use model.encode(text) first")
+        ids = self._prompt_ids(token_ids, None, False)
+        prompt = len(ids) if prompt_tokens is None else prompt_tokens
+        if not isinstance(prompt, int) or isinstance(prompt, bool) or not 1 <= prompt <= len(ids):
+            raise GenerationError(f"prompt_tokens must lie in [1, {len(ids)}], got {prompt_tokens!r}")
+        flags = self._protect_flags(protect, ids[:prompt])
+        return self._logit_stream(ids, prompt, flags)
+
+    def _logit_stream(self, ids: np.ndarray, prompt: int, flags: np.ndarray | None) -> Iterator[tuple[int, np.ndarray]]:
+        with self._state() as state:
+            state.reset()
+            state.begin_prompt(prompt)
+            start = 0
+            for start, end in self._chunks(prompt):
+                chunk_flags = None if flags is None else flags[start:end]
+                logits = state.run(ids[start:end], start, last_only=False, protect=chunk_flags)
+                yield start, logits.copy() if end - start == 1 else logits  # a one-token result is a reused buffer
+            state.end_prompt(prompt - 1, last_chunk_start=start)
+            for position in range(prompt, len(ids)):
+                yield position, state.run(ids[position : position + 1], position, last_only=True).copy()
+
     def generate_ids(
         self,
         prompt: Prompt | None = None,
