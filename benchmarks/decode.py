@@ -35,8 +35,11 @@ PRECISION = "int4" if "int4" in sys.argv else "fp32"  # chosen before the runner
 EDGEC_BUNDLE = OUT / f"smollm2-cpu-{PRECISION}.edgec"
 # int4 variants of the edgec build, each its own runner: runner name → (bundle, extra `edgec build` flags)
 EDGEC_VARIANTS = {
-    # the default: the GGUF's Q4_1 blocks carried across exactly (MatMulNBits + a per-block offset product)
+    # the default: the GGUF's Q4_1 blocks carried across exactly (MatMulNBits + a per-block offset product), int8
+    # activations split in two rows
     "edgec": (EDGEC_BUNDLE, []),
+    # the same blocks with one row of int8 activations (--no-split-activations): fastest, answers may change
+    "edgec-one-row": (OUT / f"smollm2-cpu-{PRECISION}-one-row.edgec", ["--no-split-activations"]),
     # the exact form at fp32 activations (--accuracy-level 1): the GGUF's numbers computed as the fp32 bundle does
     "edgec-l1": (OUT / f"smollm2-cpu-{PRECISION}-l1.edgec", ["--accuracy-level", "1"]),
     # the exact form as an earlier edgec built it, for a before/after run: built by hand with that release
@@ -197,12 +200,17 @@ class EdgecLevel1Runner(EdgecRunner):
     name, variant = "edgec int4 exact, fp32 activations (--accuracy-level 1)", "edgec-l1"
 
 
+class EdgecOneRowRunner(EdgecRunner):
+    name, variant = "edgec int4 exact, one row of int8 activations (--no-split-activations)", "edgec-one-row"
+
+
 class EdgecBeforeRunner(EdgecRunner):
     name, variant = "edgec int4 exact, before (the earlier release's build)", "edgec-before"
 
 
 RUNNERS = {
     "edgec-l1": EdgecLevel1Runner,
+    "edgec-one-row": EdgecOneRowRunner,
     "edgec-before": EdgecBeforeRunner,
     "edgec": EdgecRunner,
     "edgec-qdq": EdgecQdqRunner,
