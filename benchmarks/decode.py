@@ -323,10 +323,15 @@ def plot(results: dict, path: Path) -> None:
         axes[0].bar(xs, medians, width, yerr=spread, capsize=3, label=name)
     axes[0].set_xticks(np.arange(len(lengths)) + width * (len(names) - 1) / 2, [f"prompt {n}" for n in lengths])
     axes[0].set_ylabel("decode tokens / s: median, min–max over rounds")
-    axes[0].legend(fontsize=8)
-    axes[1].bar(names, [results["peak_rss_gb"][name] for name in names], color=[f"C{i}" for i in range(len(names))])
+    axes[0].set_ylim(0, axes[0].get_ylim()[1] * 1.45)  # headroom for the legend above the bars
+    axes[0].legend(fontsize=7, loc="upper left")
+    # the bars' colours are the legend's; long runner names as tick labels would overlap
+    axes[1].bar(
+        range(len(names)), [results["peak_rss_gb"][name] for name in names], color=[f"C{i}" for i in range(len(names))]
+    )
+    axes[1].set_xticks([])
+    axes[1].set_xlabel("runtimes in the legend's order and colours")
     axes[1].set_ylabel("peak RSS, GB (lower is better)")
-    axes[1].tick_params(axis="x", labelsize=7)
     fig.suptitle(f"SmolLM2-135M {PRECISION}, {results['threads']} threads, {results['machine']}, {results['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
