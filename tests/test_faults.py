@@ -27,7 +27,8 @@ build(sys.argv[1], sys.argv[2], BuildSettings(context=64), progress=progress)
 """
 
 
-@pytest.mark.parametrize("stage", STAGES)
+# the default tier kills one stage (the last, which renames into place); the slow tier every other one
+@pytest.mark.parametrize("stage", [s if s == "bundle" else pytest.param(s, marks=pytest.mark.slow) for s in STAGES])
 def test_kill_9_at_each_stage_leaves_nothing(stage, tiny_llama, tmp_path):
     out = tmp_path / "b.edgec"
     done = subprocess.run([sys.executable, "-c", KILL_AT_STAGE, str(tiny_llama), str(out), stage])
@@ -78,6 +79,7 @@ def test_disk_full_is_one_clear_line(tiny_llama, tmp_path, monkeypatch):
     assert not out.exists() and not list(tmp_path.glob(".b.edgec.tmp-*"))
 
 
+@pytest.mark.slow  # two full builds
 def test_two_builds_are_byte_identical(tiny_llama, tmp_path, monkeypatch):
     """One build in this process, one in a fresh one: the same bytes, and mtimes from SOURCE_DATE_EPOCH."""
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")

@@ -202,6 +202,7 @@ def test_a_tensorrt_rtx_bundle_is_measured_through_the_stand_ins(rtx_bundle, fak
     assert result["logits_vs_ort_cpu"]["max_abs_diff"] == 0.0 and result["logits_vs_ort_cpu"]["top1_same"]
 
 
+@pytest.mark.slow  # pip installs every wheel into a fresh venv: the slow tier
 def test_the_check_installs_its_venv_from_the_packs_wheels_alone(tiny_bundle, tmp_path):
     """The wheels come out of the pack (each checked against PACK.json) and pip installs them with --no-index and
     --require-hashes; a second run finds the venv made and keeps it. (The cpu bundle's pack: its wheels are this

@@ -69,6 +69,7 @@ def test_unpack_refuses_path_traversal(tiny_bundle, tmp_path):
         unpack(garbage, tmp_path / "out")
 
 
+@pytest.mark.slow  # pip installs every wheel into a fresh venv: the slow tier
 def test_pack_with_wheels_installs_and_runs_offline(tiny_bundle, tmp_path):
     """pack --wheels → unpack → install into a fresh venv with pip --no-index → generate."""
     archive = tmp_path / "deploy.tar"
