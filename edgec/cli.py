@@ -292,20 +292,32 @@ def plain_progress(echo=None):
 
     echo = echo or click.echo
     started = time.monotonic()
-    shown: dict[str, int] = {}
+    step = tenth_lines(echo, started)
     echo(f"[{0:7.1f} s] starting (checking the settings against the model's config and the target)")
 
     def advance(stage: str, done: int | None = None, total: int | None = None) -> None:
-        elapsed = f"[{time.monotonic() - started:7.1f} s]"
         if done is None:
-            echo(f"{elapsed} {stage} ({STAGES.index(stage) + 1}/{len(STAGES)})")
+            echo(f"[{time.monotonic() - started:7.1f} s] {stage} ({STAGES.index(stage) + 1}/{len(STAGES)})")
             return
-        tenth = 10 * done // total if total else 0
-        if shown.get(stage) != tenth or done == total:
-            shown[stage] = tenth
-            echo(f"{elapsed} {stage} {done}/{total or '?'}")
+        step(stage, done, total)
 
     return advance
+
+
+def tenth_lines(echo, started: float):
+    """A ``(task, done, total)`` callback writing one plain line per tenth of each task (its start and its end
+    included), with the seconds since ``started``."""
+    import time
+
+    shown: dict[str, int] = {}
+
+    def line(task: str, done: int, total: int | None) -> None:
+        tenth = 10 * done // total if total else 0
+        if shown.get(task) != tenth:
+            shown[task] = tenth
+            echo(f"[{time.monotonic() - started:7.1f} s] {one_line(task)} {done}/{total or '?'}")
+
+    return line
 
 
 @main.command()
@@ -693,15 +705,7 @@ def task_progress():
     from rich.console import Console
 
     if not Console().is_terminal:
-        started, shown = time.monotonic(), {}
-
-        def line(task: str, done: int, total: int) -> None:
-            tenth = 10 * done // total if total else 0
-            if shown.get(task) != tenth:  # each tenth of a task once (its start and its end included)
-                shown[task] = tenth
-                click.echo(f"[{time.monotonic() - started:7.1f} s] {one_line(task)} {done}/{total}")
-
-        yield line
+        yield tenth_lines(click.echo, time.monotonic())
         return
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

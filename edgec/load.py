@@ -264,12 +264,12 @@ def load_model(
     """Load a model folder or GGUF file in fp32, offline. ``report(step, done, total)``: a GGUF's tensors as they
     are read and dequantized (the long part of loading one)."""
     _set_offline()
+    path = resolve_source(path)  # once: inspect_source takes the resolved path as it is
     info = inspect_source(path, allow_pickle)
     silence_third_party_progress()
     import torch
     import transformers
 
-    path = resolve_source(path)
     if info["kind"] == "gguf":
         kwargs = {"gguf_file": path.name}
         where = path.parent

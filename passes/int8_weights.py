@@ -26,8 +26,10 @@ def int8_weights(
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}")
     materialize_transposed_weights(model)
-    shared_embedding(model, block_size, True, 4, bits=8, split_activations=split_activations)
-    matmul_nbits(model, block_size, True, accuracy_level, bits=8, split_activations=split_activations)
+    shared_embedding(model, block_size, symmetric=True, accuracy_level=4, bits=8, split_activations=split_activations)
+    matmul_nbits(
+        model, block_size, symmetric=True, accuracy_level=accuracy_level, bits=8, split_activations=split_activations
+    )
     gather_block_quantized(model, block_size)
     return sum(node.op_type in ("MatMulNBits", "GatherBlockQuantized") for node in model.graph)
 

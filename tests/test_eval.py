@@ -167,22 +167,11 @@ def test_the_source_model_as_reference(bundles, text_file, tiny_llama):
         text_file,
         *QUICK,
         "--only",
-        "agreement,error_curve",
-    )
-    assert result.exit_code == 0, result.output
-    result = invoke(
-        "eval",
-        bundles["plain"],
-        "--reference",
-        tiny_llama,
-        "--text",
-        text_file,
-        *QUICK,
-        "--only",
-        "perplexity,error_curve",
+        "agreement,perplexity,error_curve",
         "--json",
         text_file.parent / "source.json",
     )
+    assert result.exit_code == 0, result.output
     data = json.loads((text_file.parent / "source.json").read_text())
     curve = data["bundles"][0]["error_curve"]
     assert data["reference"]["kind"] == "source" and curve["kl_max"] < 1e-5 and curve["top1_agreement"] > 0.95
