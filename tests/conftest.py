@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels (plugins/) run interpreted on the CPU: Triton reads this when it is first imported (torch may
+# import it), so it is set before anything else; compiling PTX happens in a child process without it
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
