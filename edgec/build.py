@@ -50,6 +50,7 @@ class BuildSettings:
     calib: str | None = None  # awq/gptq: calibration text file; None = Python's own pydoc_data.topics
     int4_form: str | None = None  # matmulnbits (ONNX Runtime) or qdq (portable); None = the target's first form
     kv: Compression | None = None  # the compressed cache of the global layers; None = the plain cache
+    kv_plugin: bool = False  # TensorRT-RTX: the compressed op's one-token step as a plugin (plugins/, docs/plugins.md)
     protect: str | None = None  # built-in protect heuristics applied by default at run time ("numbers,names")
     allow_pickle: bool = False
     overwrite: bool = False
@@ -99,7 +100,13 @@ def plan_build(settings: BuildSettings, shape: ModelShape, max_context: int | No
                 f"got {settings.protect!r}"
             )
     weights = settings.weights or target.defaults.get("weights", "fp32")
-    choices = Choices(target, weights, context, kv, weight_options(target, settings, weights))
+    if settings.kv_plugin and (kv is None or target.abilities.engine != "tensorrt-rtx"):
+        raise BuildSettingsError(
+            f"--kv-plugin on runs the compressed cache's decode step as a TensorRT-RTX plugin: it needs a compressed "
+            f"cache (--kv-capacity, --kv-dtype, ...) and a TensorRT-RTX target (rtx3060, rtx4090, ...); got "
+            f"{'no compressed cache' if kv is None else target.name}"
+        )
+    choices = Choices(target, weights, context, kv, weight_options(target, settings, weights), settings.kv_plugin)
     passes, options = passes_for(choices)
     plan = Plan(target, shape, context, prefill_chunk, weights, kv, passes, options)
     check_fits(plan, kv_dtype=kv.dtype if kv else ("fp16" if choices.fp16_compute else "fp32"))
@@ -284,12 +291,24 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
         from edgec.trt import build_engine
 
         start = time.perf_counter()
+        plugin = None
+        if settings.kv_plugin:  # the plugin's files first: the engine build registers it from them
+            from edgec.plugin_files import write_plugin
+
+            plugin = write_plugin(folder, plan.kv, plan.shape, target)
         slots = (plan.kv.capacity, context) if plan.kv else None
         engine, runtime = build_engine(
-            folder / "model.onnx", target, max_tokens=prefill_chunk, slots=slots, report=progress
+            folder / "model.onnx",
+            target,
+            max_tokens=prefill_chunk,
+            slots=slots,
+            report=progress,
+            plugin=folder if plugin else None,
         )
         (folder / "engine.trt").write_bytes(engine)
         runtime |= {"min_version": runtime["version"], "providers": [], "engine": "engine.trt"}
+        if plugin:
+            runtime["plugin"] = plugin
         timings["engine_s"] = time.perf_counter() - start
 
     progress("bundle")

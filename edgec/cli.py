@@ -126,6 +126,14 @@ def kv_options(command=None, *, at_load: bool = False):
     "(near fp32's answers at ~0.6-0.8x one row's speed) [default: on for a GGUF's own blocks, else off].",
 )
 @kv_options
+@click.option(
+    "--kv-plugin",
+    type=click.Choice(["on", "off"]),
+    default="off",
+    show_default=True,
+    help="TensorRT-RTX targets with a compressed cache: its one-token step as a plugin running a Triton kernel "
+    "(docs/plugins.md); off = standard ops only.",
+)
 @click.option("--protect", default=None, help="Default protected tokens at run time: numbers,names.")
 @click.option(
     "--embedding-bits",
@@ -172,6 +180,7 @@ def build(
     symmetric,
     accuracy_level,
     split_activations,
+    kv_plugin,
     protect,
     embedding_bits,
     quant_method,
@@ -207,6 +216,7 @@ def build(
         accuracy_level=accuracy_level,
         split_activations=split_activations,
         kv=Compression.from_flags({Compression.parameters()[key]: value for key, value in kv_flags.items()}),
+        kv_plugin=kv_plugin == "on",
         protect=protect,
         embedding_bits=embedding_bits,
         quant_method=quant_method,

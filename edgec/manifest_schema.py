@@ -62,6 +62,8 @@ SCHEMA_V1: dict[str, Any] = {
         "version?": str,
         "compute_capability?": str,
         "max_tokens_per_step?": int,
+        # --kv-plugin on: the cache plugin's files (edgec/plugin_files.py), registered before the engine loads
+        "plugin?": Closed({"op": str, "module": str, "ptx": str, "kernel": str, "engine_built": str}),
     },
     # decode_file + static_tokens: static-shape bundles (a prefill graph of static_tokens, a one-token graph)
     "model": {
@@ -161,6 +163,8 @@ MAX_LOGITS = 2**31  # prefill_chunk × vocab_size logits of one step
 # allowed values, or a pattern the whole string must match
 CHOICES: dict[str, tuple[str, ...] | re.Pattern[str]] = {
     "runtime.library": ("onnxruntime", "tensorrt_rtx"),
+    "runtime.plugin.op": ("CompressedDecodeAttention",),
+    "runtime.plugin.engine_built": ("here",),
     "target.device": ("cpu", "gpu", "npu"),
     "cache.dtype": ("float32", "float16"),
     # the compressed cache's settings with a fixed vocabulary, as the type that owns them declares it
@@ -170,7 +174,15 @@ CHOICES: dict[str, tuple[str, ...] | re.Pattern[str]] = {
     "runtime.protect": re.compile(r" *(numbers|names) *(, *(numbers|names) *)?"),
 }
 # Fields that name a file of the bundle: each must be a plain relative path listed in ``files``
-PATH_FIELDS = ("model.file", "model.decode_file", "tokenizer.file", "runtime.engine")
+PATH_FIELDS = (
+    "model.file",
+    "model.decode_file",
+    "tokenizer.file",
+    "runtime.engine",
+    "runtime.plugin.module",
+    "runtime.plugin.ptx",
+    "runtime.plugin.kernel",
+)
 # Files beside the listed ones: the manifest itself and the optional signature over it (edgec.signing)
 UNLISTED = ("manifest.json", "signature.json")
 _PATH_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}")

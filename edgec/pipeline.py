@@ -29,6 +29,7 @@ class Choices:
     context: int
     kv: Compression | None = None  # resolved (capacity set) when the compressed cache is asked for
     weight_options: dict[str, Any] = field(default_factory=dict)  # the int4/int8 pass's keywords
+    kv_plugin: bool = False  # the compressed op's one-token step goes to the TensorRT-RTX plugin
 
     @property
     def fp16_compute(self) -> bool:
@@ -53,6 +54,11 @@ PIPELINE: tuple[Row, ...] = (
         lambda c: c.kv is not None,
         "first: it needs every global layer still a KVAttention node",
         lambda c: {"compression": c.kv, "data_dependent_shapes": c.target.abilities.data_dependent_shapes},
+    ),
+    Row(
+        "kv_plugin",
+        lambda c: c.kv is not None and c.kv_plugin,
+        "right after kv_cache: it replaces the function kv_cache attached, before any pass reads it",
     ),
     Row("fuse_projections", _optional("fuse_projections"), "reads the exported MatMul projections"),
     Row("fp8", lambda c: c.weights == "fp8", "reads fp32 MatMul weights: before the lm_head becomes a Gemm"),
@@ -87,7 +93,12 @@ PIPELINE: tuple[Row, ...] = (
         lambda c: c.target.abilities.attention == "static",
         "replaces KVAttention's function body: before inlining",
     ),
-    Row("inline_functions", lambda c: not c.target.abilities.local_functions, "last: after every function change"),
+    Row(
+        "inline_functions",
+        lambda c: not c.target.abilities.local_functions,
+        "last: after every function change",
+        lambda c: {"keep": ("CompressedDecodeAttention",)} if c.kv_plugin else {},  # the plugin's node stays
+    ),
 )
 
 

@@ -78,10 +78,19 @@ def build_engine(
     max_tokens: int,
     slots: tuple[int, int] | None = None,
     report: Callable[[str, int, int], None] | None = None,
+    plugin: Path | None = None,
 ) -> tuple[bytes, dict]:
     """Serialized engine for ``target``'s compute capability; token dims range over 1..max_tokens (decode is 1);
-    ``slots``: (capacity, context) of a compressed cache's slot dimension; ``report``: the builder's progress."""
+    ``slots``: (capacity, context) of a compressed cache's slot dimension; ``report``: the builder's progress;
+    ``plugin``: the bundle folder whose plugin (``runtime.plugin``, edgec.plugin_files) claims its op's nodes —
+    built in a child process (``plugin_build_environment``)."""
+    if plugin is not None:
+        return _build_in_child(onnx_path, target, max_tokens, slots, plugin)
     trt = import_tensorrt_rtx()
+    return _build(trt, onnx_path, target, max_tokens, slots, report)
+
+
+def _build(trt, onnx_path: Path, target: Target, max_tokens: int, slots, report=None, plugin_override=False):
     major, minor = capability(target)
     sm = getattr(trt.ComputeCapability, f"SM{major}{minor}", None)
     if sm is None:
@@ -90,6 +99,8 @@ def build_engine(
     builder = trt.Builder(logger)
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)
+    if plugin_override:  # a registered plugin claims the nodes of its op, whose local function stays for ONNX Runtime
+        parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise BuildSettingsError(f"TensorRT-RTX could not parse the graph: {errors}")
@@ -122,3 +133,70 @@ def build_engine(
         "engine_build_s": round(time.perf_counter() - start, 2),
         "max_tokens_per_step": max_tokens,
     }
+
+
+# --- engines with a plugin layer ----------------------------------------------------------------------------
+# TensorRT-RTX 1.7.1 builds an engine with a Python IPluginV3 layer on a machine without a GPU (measured: the
+# builder calls the plugin's shape, type and format methods only, never enqueue). One quirk: on a plugin node its
+# ONNX parser dlopen()s "libtensorrt_rtx.so", a name the wheel does not ship (it has libtensorrt_rtx.so.1), and
+# aborts the process when that fails. The engine is therefore built in a child process whose library path holds
+# that name as a link to the wheel's library (the dynamic loader reads the path only when a process starts).
+
+
+def plugin_build_environment(folder: Path) -> dict[str, str]:
+    """The environment of the child that builds an engine with a plugin layer: ``folder`` gets the link."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("tensorrt_rtx_libs")
+    if spec is None or not spec.submodule_search_locations:
+        raise BuildSettingsError(f"building an engine with the cache plugin needs tensorrt-rtx's libraries: {EXTRA}")
+    library = Path(spec.submodule_search_locations[0]) / "libtensorrt_rtx.so.1"
+    (folder / "libtensorrt_rtx.so").symlink_to(library)
+    environment = dict(os.environ)
+    environment["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(folder), environment.get("LD_LIBRARY_PATH")]))
+    return environment
+
+
+def _build_in_child(onnx_path: Path, target: Target, max_tokens: int, slots, bundle: Path) -> tuple[bytes, dict]:
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        job = {
+            "onnx": str(onnx_path),
+            "target": target.name,
+            "max_tokens": max_tokens,
+            "slots": slots,
+            "bundle": str(bundle),
+            "out": str(scratch / "engine.trt"),
+        }
+        command = [sys.executable, "-m", "edgec.trt", json.dumps(job)]
+        done = subprocess.run(command, env=plugin_build_environment(scratch), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BuildSettingsError(
+                f"TensorRT-RTX failed to build the engine with the cache plugin: {done.stderr[-1500:]}"
+            )
+        return (scratch / "engine.trt").read_bytes(), json.loads((scratch / "engine.json").read_text())
+
+
+def _child(job: dict) -> None:
+    from edgec.plugin_files import register_from_bundle
+    from edgec.targets import load_target
+
+    trt = import_tensorrt_rtx()
+    register_from_bundle(Path(job["bundle"]))
+    slots = tuple(job["slots"]) if job["slots"] else None
+    engine, record = _build(trt, Path(job["onnx"]), load_target(job["target"]), job["max_tokens"], slots, None, True)
+    Path(job["out"]).write_bytes(engine)
+    Path(job["out"]).with_suffix(".json").write_text(__import__("json").dumps(record))
+
+
+if __name__ == "__main__":  # the child of _build_in_child
+    import json
+    import sys
+
+    _child(json.loads(sys.argv[1]))

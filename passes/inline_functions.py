@@ -10,12 +10,20 @@ import onnx_ir.passes.common as common
 from edgec.passes._contract import Pass
 
 
-def inline_functions(model: ir.Model) -> int:
-    """Inline in place; returns how many call sites were inlined."""
+def inline_functions(model: ir.Model, keep: tuple[str, ...] = ()) -> int:
+    """Inline in place; returns how many call sites were inlined. ``keep``: op types whose calls stay calls (and
+    their functions stay): a TensorRT plugin claims those nodes (``--kv-plugin on``)."""
+    kept = {key: function for key, function in model.functions.items() if key[1] in keep}
+    for key in kept:
+        del model.functions[key]
     functions = {key for key in model.functions}
     calls = sum((node.domain, node.op_type, node.overload) in functions for node in model.graph)
     common.InlinePass()(model)
     common.RemoveUnusedOpsetsPass()(model)
+    model.functions.update(kept)
+    if kept:
+        domains = {key[0] for key in kept}
+        model.opset_imports.update({domain: model.opset_imports.get(domain, 1) for domain in domains})
     return calls
 
 

@@ -114,6 +114,10 @@ class TrtBackend:
         trt, cudart = _modules()
         self.trt, self.cuda = trt, Cuda(cudart)
         self.properties = find_gpu(self.cuda, runtime.get("compute_capability"))
+        if runtime.get("plugin"):  # the cache plugin's layer: its creator must be registered before deserializing
+            from edgec.plugin_files import register_from_bundle
+
+            register_from_bundle(folder, runtime["plugin"])
         data = (folder / runtime["engine"]).read_bytes()
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
         validity, diagnostics = self.runtime.get_engine_validity(data)

@@ -106,7 +106,12 @@ def make_plugin_function(compression: Compression, default_opset: int, heads: cf
             results = cf._general(branch, compression, scale, window, every_slot=True)
         graph_outputs = []
         for name in cf.outputs(compression):
-            value = branch.op("Identity", results[name], name=f"{name}_result")
+            # each state output takes the shape of its input, from outside the If: both branches then give
+            # TensorRT-RTX one shape (else its Myelin compiler fails on the If's merged shape)
+            shape = b.op("Shape", "q" if name == "out" else name[: -len("_out")])
+            if name == "out":  # [B,T,H,D] from q [B,H,T,D]
+                shape = b.op("Gather", shape, b.i64([0, 2, 1, 3]), axis=0)
+            value = branch.op("Reshape", results[name], shape, name=f"{name}_result")
             graph_outputs.append(helper.make_tensor_value_info(value, cf._output_type(compression, name), None))
         branches[kind] = helper.make_graph(branch.nodes, f"{kind}_step", [], graph_outputs)
     b.nodes.append(

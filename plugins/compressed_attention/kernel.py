@@ -296,9 +296,9 @@ class Compiled:
     record: dict  # what a launch needs: entry name, parameter types, warps, shared memory, the config
 
 
-def compile_ptx(config: Config, capability: str) -> Compiled:
-    """PTX of the kernel for ``config`` and a compute capability ("8.6"), compiled here (no GPU needed). Compiled
-    in a child process: Triton compiles only where it was imported without ``TRITON_INTERPRET`` (the tests
+def compile_ptx(config: Config, capabilities: list[str]) -> dict[str, Compiled]:
+    """PTX of the kernel for ``config``, per compute capability ("8.6"), compiled here (no GPU needed). Compiled
+    in one child process: Triton compiles only where it was imported without ``TRITON_INTERPRET`` (the tests
     interpret), and its compiler's memory goes when the child ends."""
     import json
     import subprocess
@@ -308,14 +308,17 @@ def compile_ptx(config: Config, capability: str) -> Compiled:
 
     config.check()
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said (it warns otherwise)
     with tempfile.TemporaryDirectory() as folder:
-        command = [sys.executable, "-m", __name__, json.dumps(config.to_json()), capability, folder]
+        command = [sys.executable, "-m", __name__, json.dumps(config.to_json()), folder, *capabilities]
         done = subprocess.run(command, env=environment, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"Triton could not compile the decode kernel for sm{capability}: {done.stderr[-2000:]}")
-        ptx = (Path(folder) / "kernel.ptx").read_text()
-        record = json.loads((Path(folder) / "kernel.json").read_text())
-    return Compiled(ptx, record)
+            raise RuntimeError(f"Triton could not compile the decode kernel: {done.stderr[-2000:]}")
+        found = {}
+        for capability in capabilities:
+            ptx = (Path(folder) / f"{capability}.ptx").read_text()
+            found[capability] = Compiled(ptx, json.loads((Path(folder) / f"{capability}.json").read_text()))
+    return found
 
 
 def _compile_here(config: Config, capability: str) -> Compiled:
@@ -342,15 +345,17 @@ def _compile_here(config: Config, capability: str) -> Compiled:
         "triton": triton.__version__,
         "config": config.to_json(),
         "constexprs": config.constexprs(),
+        "signature": [[name, kind] for name, kind in signature(config).items()],  # in argument order
     }
     return Compiled(ptx, record)
 
 
-if __name__ == "__main__":  # compile_ptx's child: config JSON, capability, output folder
+if __name__ == "__main__":  # compile_ptx's child: config JSON, output folder, capabilities
     import json
     import sys
     from pathlib import Path
 
-    _compiled = _compile_here(Config(**json.loads(sys.argv[1])), sys.argv[2])
-    (Path(sys.argv[3]) / "kernel.ptx").write_text(_compiled.ptx)
-    (Path(sys.argv[3]) / "kernel.json").write_text(json.dumps(_compiled.record))
+    for _capability in sys.argv[3:]:
+        _compiled = _compile_here(Config(**json.loads(sys.argv[1])), _capability)
+        (Path(sys.argv[2]) / f"{_capability}.ptx").write_text(_compiled.ptx)
+        (Path(sys.argv[2]) / f"{_capability}.json").write_text(json.dumps(_compiled.record))

@@ -23,7 +23,7 @@ kernel = pytest.importorskip("edgec.plugins.compressed_attention.kernel", reason
 OUT_ATOL = 2e-5
 SCORE_RTOL, SCORE_ATOL = 1e-5, 1e-6
 # (batch, query heads, kv heads, head dim, capacity): capacities off the kernel's slot block (16-128)
-SHAPES = [(1, 6, 2, 64, 40), (2, 4, 1, 32, 17), (1, 4, 4, 128, 130), (1, 8, 1, 16, 7)]
+SHAPES = [(1, 6, 2, 64, 40), (2, 4, 1, 32, 17), (1, 2, 2, 128, 37), (1, 8, 1, 16, 7)]
 
 
 def random_case(rng, shape, compression: Compression, window: int, fill: str):
@@ -130,17 +130,21 @@ def test_every_policy_has_a_decode_rule():
     assert set(kernel.RULES) == set(POLICIES)
 
 
-@pytest.mark.parametrize("capability", ["8.6", "8.9", "12.0"])
-def test_ptx_for_each_capability(capability):
-    """PTX (and its launch record) for sm86, sm89 and sm120, compiled on this CPU-only machine: one entry whose
-    parameters are the kernel's runtime arguments plus Triton's two scratch pointers."""
+@pytest.mark.parametrize(
+    "capabilities", [["8.6"], pytest.param(["8.9", "12.0"], marks=pytest.mark.slow)], ids=["sm86", "sm89+sm120"]
+)
+def test_ptx_for_each_capability(capabilities):
+    """PTX (and its launch record) for sm86, sm89 and sm120 (~7 s each, one Triton compile), compiled on this
+    CPU-only machine: one entry whose parameters are the kernel's runtime arguments plus Triton's two scratch
+    pointers."""
     config = kernel.Config(3, 3, 64, "int4", 32, "snapkv")
-    compiled = kernel.compile_ptx(config, capability)
-    major, minor = capability.split(".")
-    assert f".target sm_{major}{minor}" in compiled.ptx
-    entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", compiled.ptx)
-    assert entry and entry.group(1) == compiled.record["name"]
-    params = re.findall(r"\.param\s+\.(\w+)", entry.group(2))
-    assert params == compiled.record["params"]
-    assert params == ["u64"] * len(kernel.POINTERS) + ["u32", "f32", "u32", "f32"] + ["u64", "u64"]
-    assert compiled.record["num_warps"] == kernel.NUM_WARPS and compiled.record["config"] == config.to_json()
+    for capability, compiled in kernel.compile_ptx(config, capabilities).items():
+        major, minor = capability.split(".")
+        assert f".target sm_{major}{minor}" in compiled.ptx
+        entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", compiled.ptx)
+        assert entry and entry.group(1) == compiled.record["name"]
+        params = re.findall(r"\.param\s+\.(\w+)", entry.group(2))
+        assert params == compiled.record["params"]
+        assert params == ["u64"] * len(kernel.POINTERS) + ["u32", "f32", "u32", "f32"] + ["u64", "u64"]
+        assert compiled.record["num_warps"] == kernel.NUM_WARPS and compiled.record["config"] == config.to_json()
+        assert compiled.record["compute_capability"] == capability
