@@ -9,7 +9,7 @@ import json
 import onnx
 import pytest
 
-from edgec.build import build
+from edgec.build import BuildSettings, build
 from edgec.bundle import sha256_file
 from tests.conftest import build_settings, manifest
 
@@ -63,6 +63,34 @@ def test_the_graph_keeps_one_sub_op_per_layer_and_its_function(plugin_bundle):
     assert [(f.domain, f.name) for f in model.functions] == [("ai.edgec", "CompressedDecodeAttention")]
     assert b"CompressedDecodeAttention" in (plugin_bundle / "engine.trt").read_bytes()
     assert manifest(plugin_bundle)["validation"]["top1_agreement"] == 1.0
+
+
+def test_kv_plugin_off_is_the_standard_pipeline():
+    """Off (the default) runs exactly the passes and options of a build that knows no plugin; on adds the kv_plugin
+    pass after kv_cache and keeps the sub-op's function through inlining, nothing else."""
+    from edgec.kvcache.compression import Compression
+    from edgec.pipeline import Choices, passes_for
+    from edgec.targets import load_target
+
+    target, kv = load_target("rtx3060"), Compression(capacity=40, dtype="int8", group=16)
+    assert BuildSettings().kv_plugin is False
+    off_names, off_options = passes_for(Choices(target, "fp16", 128, kv))
+    assert "kv_plugin" not in off_names and off_options["inline_functions"] == {}
+    on_names, on_options = passes_for(Choices(target, "fp16", 128, kv, kv_plugin=True))
+    assert on_names == ["kv_cache", "kv_plugin", *off_names[1:]]
+    assert on_options == off_options | {"kv_plugin": {}, "inline_functions": {"keep": ("CompressedDecodeAttention",)}}
+
+
+def test_kv_plugin_on_elsewhere_is_one_line(tiny_llama, tmp_path):
+    from click.testing import CliRunner
+
+    from edgec.cli import main
+    from tests.test_cli import assert_clean_failure
+
+    command = ["build", str(tiny_llama), "--target", "cpu", "--kv-capacity", "100", "--kv-plugin", "on"]
+    result = CliRunner().invoke(main, [*command, "-o", str(tmp_path / "x")])
+    assert_clean_failure(result, "--kv-plugin on", "TensorRT-RTX target")
+    assert not (tmp_path / "x").exists()
 
 
 def test_kv_plugin_needs_a_compressed_cache_on_tensorrt_rtx(tiny_llama, tmp_path):

@@ -9,56 +9,21 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-import types
 
 import numpy as np
 import pytest
 
 from edgec.errors import BundleError
 from edgec.runtime import Model
-from tests.conftest import manifest, pydoc_text
-from tests.fakes import cuda_driver, cudart
+from tests.conftest import pydoc_text
+from tests.fakes import cuda_driver
 from tests.fakes import tensorrt_rtx as fake_trt
+from tests.plugins.conftest import register_plugin_bundle as _register
 
 pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx builds the engines (pip install 'edgec[tensorrt-rtx]')")
 pytest.importorskip("triton", reason="the plugin's kernel is compiled by Triton (edgec[dev])")
 
 pytestmark = pytest.mark.slow  # the bundle's build (~30 s) and the reference evaluator's steps
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch, tmp_path):
-    """The fake tensorrt_rtx, cuda.bindings.runtime and cuda.bindings.driver; one RTX 3060; no plugin registered."""
-    cudart.reset()
-    cuda_driver.reset()
-    fake_trt.REGISTRY.creators.clear()
-    bindings = types.ModuleType("cuda.bindings")
-    bindings.runtime, bindings.driver = cudart, cuda_driver
-    cuda = types.ModuleType("cuda")
-    cuda.bindings = bindings
-    for name, module in (
-        ("cuda", cuda),
-        ("cuda.bindings", bindings),
-        ("cuda.bindings.runtime", cudart),
-        ("cuda.bindings.driver", cuda_driver),
-    ):
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setitem(sys.modules, "tensorrt_rtx", fake_trt)
-    monkeypatch.setenv("EDGEC_CACHE_DIR", str(tmp_path / "cache"))
-    fake_trt.RUNS.clear()
-    fake_trt.PLUGIN_RUNS.clear()
-    yield
-    fake_trt.REGISTRY.creators.clear()
-    cudart.reset()
-
-
-def _register(bundle) -> None:
-    """What the real engine and driver know by themselves: the engine's graph, and the kernel the PTX came from."""
-    record = manifest(bundle)
-    fake_trt.register(bundle / "engine.trt", bundle / "model.onnx", record["model"]["context"])
-    plugin = record["runtime"]["plugin"]
-    cuda_driver.register((bundle / plugin["ptx"]).read_text(), json.loads((bundle / plugin["kernel"]).read_text()))
 
 
 def _decode_logits(model: Model, ids: list[int], tokens: list[int]) -> list[np.ndarray]:
