@@ -313,6 +313,8 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
 
     progress("bundle")
     recorded = {**asdict(settings), "kv": plan.kv.to_json() if plan.kv else None}
+    if not settings.kv_plugin:  # recorded only when on: --kv-plugin off writes the manifest it always did
+        del recorded["kv_plugin"]
     weight_pass = options.get("int4_weights") or options.get("int8_weights") or {}
     recorded["split_activations"] = bool(weight_pass.get("split_activations", False))  # as built, not as asked
     if source_blocks is not None:  # the exact GGUF import: which weights kept the file's own blocks

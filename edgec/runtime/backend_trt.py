@@ -5,6 +5,8 @@ what is missing); ``Runtime.get_engine_validity`` then tells why an engine would
 release, another GPU, a driver too old) before deserializing. TensorRT-RTX compiles kernels just in time on the
 first run; the compiled kernels are kept in a runtime cache saved per engine and GPU
 (``$EDGEC_CACHE_DIR``, default ``~/.cache/edgec``, ``tensorrt-rtx/``), so a second start does not compile again.
+A ``--kv-plugin on`` bundle's plugin is registered before the engine is deserialized (``edgec.plugin_files``: only
+this edgec's own plugin module is imported); its enqueue launches the bundle's PTX through cuda-python's driver API.
 
 Each cache state (``runtime.step.CacheState``) has its own execution context, stream and device buffers: two per
 state tensor, swapped after each step (the step reads one and writes the other; TensorRT gives no guarantee for
