@@ -41,6 +41,7 @@ def test_the_bundle_carries_the_plugin(plugin_bundle):
         "kernel": "plugin/compressed_attention.json",
         "engine_built": "here",
     }
+    assert record["build_settings"]["kv_plugin"] is True
     for name in (plugin["module"], plugin["ptx"], plugin["kernel"]):
         assert record["files"][name]["sha256"] == sha256_file(plugin_bundle / name)
     assert ".target sm_86" in (plugin_bundle / plugin["ptx"]).read_text()
