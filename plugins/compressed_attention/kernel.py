@@ -271,8 +271,9 @@ def decay_of(policy: str) -> float:
     return float(getattr(policies.get(policy), "DECAY", 0.0)) if RULES[policy] == ACCUMULATE else 0.0
 
 
-def run_numpy(config: Config, inputs: dict, scale: float, window: int = 0):
-    """Launch the kernel on numpy arrays (CPU: set ``TRITON_INTERPRET=1``); the inputs by ``POINTERS`` name
+def run_numpy(config: Config, inputs: dict, scale: float, window: int = 0, device: str = "cpu"):
+    """Launch the kernel on numpy arrays, copied to ``device`` (CPU: set ``TRITON_INTERPRET=1``; "cuda": the
+    compiled kernel on a GPU); the inputs by ``POINTERS`` name
     (q [B,H,1,D], k/v [B,Hkv,1,D], position_ids [B,1], protect [B,1], the state; no scales for float storage).
     Returns (out [B,1,H,D] float32, scores of the C + 1 candidates [B,Hkv,C+1] float32)."""
     import numpy as np
@@ -285,9 +286,9 @@ def run_numpy(config: Config, inputs: dict, scale: float, window: int = 0):
     arrays["protect"] = np.asarray(arrays["protect"]).astype(np.int8)
     for name in ("k_scale", "v_scale"):  # float storage reads no scales: any buffer will do
         arrays.setdefault(name, arrays["score"])
-    tensors = [torch.from_numpy(np.ascontiguousarray(arrays[name])) for name in POINTERS]
+    tensors = [torch.from_numpy(np.ascontiguousarray(arrays[name])).to(device) for name in POINTERS]
     kernel()[(batch * kv_heads,)](*tensors, capacity, scale, window, decay_of(config.policy), **config.constexprs())
-    return tensors[POINTERS.index("out")].numpy(), tensors[POINTERS.index("score_out")].numpy()
+    return tensors[POINTERS.index("out")].cpu().numpy(), tensors[POINTERS.index("score_out")].cpu().numpy()
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,42 @@ def _check(rng, shape, compression, window, fill):
     assert np.isposinf(token[protect[:, :, None].repeat(kv_heads, 1)]).all()
 
 
+GPU_CHECK = """
+import sys, numpy as np
+from edgec.plugins.compressed_attention import kernel
+from edgec.kvcache import reference
+from edgec.kvcache.compression import Compression
+sys.path.insert(0, sys.argv[1])
+from tests.plugins.test_decode_kernel import random_case, kernel_inputs, OUT_ATOL
+rng = np.random.default_rng(0)
+for dtype in ("fp16", "int8", "fp8", "int4"):
+    compression = Compression(capacity=40, sink=2, window=4, policy="h2o", dtype=dtype, group=16)
+    q, k, v, position_ids, protect, state = random_case(rng, (1, 6, 2, 64, 40), compression, 0, "partly")
+    want, _ = reference.compressed_kv_attention(q, k, v, position_ids, protect, state, compression, 0.125)
+    config = kernel.Config(2, 3, 64, dtype, 16, "h2o")
+    out, _ = kernel.run_numpy(config, kernel_inputs(q, k, v, position_ids, protect, state), 0.125, device="cuda")
+    np.testing.assert_allclose(out, want, rtol=0, atol=OUT_ATOL)
+print("ok")
+"""
+
+
+def test_the_compiled_kernel_on_a_gpu():
+    """The compiled kernel on a CUDA GPU (a child process: this one interprets) against the reference."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here (torch.cuda.is_available() is False): the compiled kernel needs one")
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", GPU_CHECK, root], env=environment, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def test_a_wrong_score_rule_is_caught():
     """The comparison can fail: the same kernel told another policy's rule differs from the reference."""
     rng = np.random.default_rng(1)
