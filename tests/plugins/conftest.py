@@ -26,6 +26,19 @@ def plugin_bundle(tmp_path_factory, tiny_llama):
     return out
 
 
+@pytest.fixture(scope="session")
+def standard_bundle(tmp_path_factory, tiny_llama):
+    """The plugin bundle's twin built with --kv-plugin off (the standard-op lowering)."""
+    from edgec.build import build
+    from tests.conftest import build_settings
+
+    pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx builds the engines (pip install 'edgec[tensorrt-rtx]')")
+    out = tmp_path_factory.mktemp("rtx-standard") / "tiny.rtx3060.standard.edgec"
+    kv = dict(kv_capacity=40, kv_window=8, kv_dtype="int8", kv_group=16)
+    build(tiny_llama, out, build_settings(target="rtx3060", context=128, prefill_chunk=16, **kv))
+    return out
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
     """The fake tensorrt_rtx, cuda.bindings.runtime and cuda.bindings.driver; one RTX 3060; no plugin registered."""

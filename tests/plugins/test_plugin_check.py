@@ -41,19 +41,17 @@ def test_agreement_counts_steps_and_the_largest_difference():
 
 
 @pytest.mark.slow
-def test_a_whole_run_on_the_fake_gpu(plugin_bundle, fake_gpu, tmp_path, monkeypatch, tiny_llama):
+def test_a_whole_run_on_the_fake_gpu(plugin_bundle, standard_bundle, fake_gpu, tmp_path, monkeypatch):
     """The pair (the plugin bundle and the same build without it) through the fakes, at lengths a tiny model
     takes: decode speeds of both, their ratio, and logits that agree."""
-    from edgec.build import build
-    from tests.conftest import build_settings, manifest
+    from tests.conftest import manifest
     from tests.plugins.conftest import register_plugin_bundle
     from tests.test_tensorrt_rtx_runtime import _register
 
     pair = tmp_path / "pair"
     pair.mkdir()
     shutil.copytree(plugin_bundle, pair / "plugin.edgec")
-    kv = dict(kv_capacity=40, kv_window=8, kv_dtype="int8", kv_group=16)
-    build(tiny_llama, pair / "standard.edgec", build_settings(target="rtx3060", context=128, prefill_chunk=16, **kv))
+    shutil.copytree(standard_bundle, pair / "standard.edgec")
     standard = manifest(pair / "standard.edgec")  # --kv-plugin off: the bundle as before, nothing of the plugin
     assert "kv_plugin" not in standard["build_settings"] and "plugin" not in standard["runtime"]
     assert not [name for name in standard["files"] if name.startswith("plugin/")]
