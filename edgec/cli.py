@@ -1087,7 +1087,7 @@ def keygen(name) -> None:
     "--memory", default=None, help="Memory the server may use, e.g. 2GiB: sessions get smaller caches, then wait."
 )
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads [default: its own].")
-@click.option("--triton", is_flag=True, help="Serve through Triton Inference Server (PyTriton) instead.")
+@click.option("--triton", is_flag=True, help="Serve through Triton Inference Server (PyTriton's wheel) instead.")
 @click.option("--model-name", default=None, help="--triton: the model's name [default: the bundle's folder name].")
 def serve(bundle, host, port, max_sessions, queue_size, memory, threads, triton, model_name) -> None:
     """Serve a bundle: the OpenAI chat and completions API (streamed by server-sent events), /v1/models, /health,
@@ -1104,9 +1104,9 @@ def serve(bundle, host, port, max_sessions, queue_size, memory, threads, triton,
     limit = parse_memory(memory) if memory is not None else None
     if triton:
         require("triton")
-        from edgec.serve.triton import serve_pytriton
+        from edgec.serve.triton import serve_triton
 
-        serve_pytriton(bundle, host, port, model_name, max_sessions, threads, echo=click.echo)
+        serve_triton(bundle, host, port, model_name, 1, echo=click.echo)
         return
     require("serve")
     from edgec.serve import serve as run_server
