@@ -19,7 +19,7 @@ from tests.conftest import build_settings, make_llama_folder
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
-CONTEXT = 4096  # compressed fp32 slots: 2 KV heads × 64 channels × 4 layers ≈ 4 KiB a slot, 17 MiB a session
+CONTEXT = 2048  # compressed fp32 slots: 2 KV heads × 128 channels × 4 layers ≈ 8 KiB a slot, 17 MiB a session
 
 
 @pytest.fixture(scope="session")
@@ -30,7 +30,7 @@ def serve_bundle(tmp_path_factory, tiny_tokenizer) -> Path:
         tmp_path_factory.mktemp("serve") / "wide-llama",
         tiny_tokenizer,
         seed=3,
-        hidden_size=128,
+        hidden_size=256,
         intermediate_size=256,
         num_hidden_layers=4,
         num_attention_heads=2,

@@ -14,14 +14,14 @@ from edgec.runtime import Model
 from edgec.serve.memory import HEADROOM
 from edgec.serve.scheduler import Busy, Scheduler, TooLarge, capacity_steps
 from tests.conftest import pydoc_text
-from tests.serve.conftest import running_server
+from tests.serve.conftest import CONTEXT, running_server
 
 
 def test_over_budget_burst_gets_smaller_caches_then_a_queue_then_429(serve_bundle, server):
     import openai
 
     model = Model.load(serve_bundle)
-    full, half, quarter = (model.session_bytes(c) for c in (None, 2048, 1024))
+    full, quarter = model.session_bytes(), model.session_bytes(CONTEXT // 4)
     # room for two full caches and a quarter one beside them (measured like the server measures itself), not more
     model_bytes = server.health()["memory"]["model_bytes"]
     limit = model_bytes + HEADROOM + 2 * full + quarter + full // 8
@@ -40,7 +40,7 @@ def test_over_budget_burst_gets_smaller_caches_then_a_queue_then_429(serve_bundl
 
         def ask(i: int) -> str:
             try:
-                text = client.completions.create(model=name, prompt=f"Item {i}:", max_tokens=400, temperature=0)
+                text = client.completions.create(model=name, prompt=f"Item {i}:", max_tokens=200, temperature=0)
                 return "ok" if text.choices[0].text is not None else "empty"
             except openai.RateLimitError as error:
                 assert int(error.response.headers["retry-after"]) >= 1
@@ -53,8 +53,7 @@ def test_over_budget_burst_gets_smaller_caches_then_a_queue_then_429(serve_bundl
         stop.set()
         watcher.join()
         peak = small.peak_rss()
-        reduced = small.metric("edgec_sessions_total", 'capacity="1024"')
-        reduced += small.metric("edgec_sessions_total", 'capacity="2048"')
+        reduced = sum(small.metric("edgec_sessions_total", f'capacity="{CONTEXT // d}"') for d in (2, 4))
         admitted_full = small.metric("edgec_sessions_total", 'capacity="full"')
     assert outcomes.count("429") >= 1 and outcomes.count("ok") == burst - outcomes.count("429")
     assert reduced >= 1 and admitted_full >= 2  # full caches while they fit, then smaller ones
@@ -63,6 +62,7 @@ def test_over_budget_burst_gets_smaller_caches_then_a_queue_then_429(serve_bundl
     assert peak <= limit, f"peak resident {peak / 2**20:.1f} MiB above --memory {limit / 2**20:.1f} MiB"
 
 
+@pytest.mark.slow
 def test_memory_too_small_for_one_session_is_one_error_line(serve_bundle, tmp_path):
     import subprocess
     import sys
@@ -117,11 +117,12 @@ def test_scheduler_full_then_smaller_then_queue_then_busy():
 def test_one_generation_gets_its_own_capacity(serve_bundle):
     """generate_ids(kv_capacity=N) decodes exactly as a model loaded with kv_capacity=N, beside full-size ones."""
     shared = Model.load(serve_bundle)
-    prompt = shared.encode(pydoc_text()[:9000])[:1500]  # longer than 1024 slots: eviction decides the answer
-    small = list(Model.load(serve_bundle, kv_capacity=1024).generate_ids(prompt, max_new_tokens=12))
+    prompt = shared.encode(pydoc_text()[:9000])[:700]  # longer than 512 slots: eviction decides the answer
+    small = list(Model.load(serve_bundle, kv_capacity=512).generate_ids(prompt, max_new_tokens=12))
     full = list(shared.generate_ids(prompt, max_new_tokens=12))
-    assert list(shared.generate_ids(prompt, max_new_tokens=12, kv_capacity=1024)) == small
+    assert small != full  # the capacity matters for this prompt, so the comparison below can fail
+    assert list(shared.generate_ids(prompt, max_new_tokens=12, kv_capacity=512)) == small
     assert list(shared.generate_ids(prompt, max_new_tokens=12)) == full
-    assert shared.session_bytes(1024) < shared.session_bytes() // 3
+    assert shared.session_bytes(512) < shared.session_bytes() // 3
     with pytest.raises(ValueError, match="no room to evict"):
         shared.generate_ids(prompt, kv_capacity=8)

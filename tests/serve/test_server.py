@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import pydoc_text
+from tests.serve.conftest import CONTEXT
 
 CHATS = [
     [{"role": "user", "content": text}]
@@ -93,7 +94,7 @@ def test_a_prompt_longer_than_the_context_is_a_400(server):
     client, name = server.client(), name_of(server)
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=name, prompt=pydoc_text()[:60_000], max_tokens=4)
-    assert "context is 4096 tokens" in str(error.value)
+    assert f"context is {CONTEXT} tokens" in str(error.value)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="Hi", max_tokens=4)
 

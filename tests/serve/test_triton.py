@@ -83,6 +83,7 @@ def test_stock_tritonserver_streams_from_the_exported_repository(tiny_bundle, tm
     assert len(pieces) > 1 and "".join(pieces) == want  # streamed piece by piece, the runtime's own answer
 
 
+@pytest.mark.slow  # the same model.py and tritonserver as the test above, started by the command
 def test_edgec_serve_triton_streams(tiny_bundle, tmp_path):
     port = free_port()
     while port + 2 > 65535:
