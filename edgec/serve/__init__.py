@@ -42,6 +42,17 @@ def load_server(bundle: Path, max_sessions: int = 8, memory: int | None = None, 
     return Server(model, Path(bundle).name.removesuffix(".edgec"), server_memory, max_sessions, queue_size, capacities)
 
 
+def _check_address(host: str, port: int) -> None:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind((host, port))
+    except OSError as error:
+        raise BuildSettingsError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+
+
 def serve(
     bundle: Path,
     host: str = "127.0.0.1",
@@ -57,6 +68,7 @@ def serve(
 
     from edgec.serve.app import create_app
 
+    _check_address(host, port)  # before the model loads: a busy port is one error line, not a late log
     server = load_server(bundle, max_sessions, memory, queue_size, threads)
     budget = server.memory.session_budget
     room = "no --memory limit" if budget is None else f"{budget / 2**20:,.0f} MiB for sessions' caches"

@@ -11,6 +11,7 @@ its next turn and its cache state is freed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -161,7 +162,12 @@ def _plain_message(message: dict[str, Any]) -> dict[str, str]:
 
 
 def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="edgec serve", docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        server.engine.stop()
+
+    app = FastAPI(title="edgec serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server = server
 
     @app.exception_handler(ApiError)
@@ -173,10 +179,6 @@ def create_app(server: Server) -> FastAPI:
         first = error.errors()[0] if error.errors() else {}
         where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
         return _error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else "invalid request body")
-
-    @app.on_event("shutdown")
-    def stop_engine() -> None:
-        server.engine.stop()
 
     @app.get("/health")
     async def health() -> dict:

@@ -115,3 +115,18 @@ def test_a_cancelled_stream_frees_its_session(server):
     assert health["active_sessions"] == 0 and health["kv_bytes_in_use"] == 0
     assert server.metric("edgec_requests_total", 'outcome="cancelled"') == before + 1
     assert len(pieces) == 3
+
+
+def test_a_busy_port_is_one_error_line(server, serve_bundle):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "edgec.cli", "serve", str(serve_bundle), "--port", str(server.port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{server.port}: Address already in use"
+    ]
