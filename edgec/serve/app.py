@@ -138,8 +138,12 @@ class Server:
         def ended(session: Session) -> None:  # on the engine thread, after the state is freed
             loop.call_soon_threadsafe(self._ended, session, ticket, arrived)
 
+        def prompt_read(session: Session) -> None:  # on the engine thread: the temporary prompt state is gone
+            steady = self.model.session_bytes(ticket.capacity)
+            loop.call_soon_threadsafe(self.scheduler.settle, ticket, steady)
+
         try:
-            session = Session(self.model, request, ticket.capacity, loop, ended)
+            session = Session(self.model, request, ticket.capacity, loop, ended, prompt_read)
         except EdgecError as error:
             self.scheduler.release(ticket, 0.0)
             raise ApiError(400, one_line(error)) from None

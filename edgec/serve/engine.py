@@ -37,10 +37,19 @@ class Session:
     """One running generation. Its events (``("text", str)``, ``("end", finish_reason)``, ``("error", message)``)
     arrive on ``events``, an asyncio queue of the loop that made it."""
 
-    def __init__(self, model: Model, request: Request, capacity: int | None, loop: Any, on_end: Callable) -> None:
+    def __init__(
+        self,
+        model: Model,
+        request: Request,
+        capacity: int | None,
+        loop: Any,
+        on_end: Callable,
+        on_prompt_read: Callable | None = None,
+    ) -> None:
         import asyncio
 
         self.request, self.capacity, self.loop, self.on_end = request, capacity, loop, on_end
+        self.on_prompt_read = on_prompt_read
         self.events: asyncio.Queue = asyncio.Queue()
         self.stats = GenerationStats()
         self.started = time.perf_counter()
@@ -105,8 +114,10 @@ class Session:
             self._close()
             self._send("error", one_line(error))
             return False
-        if self.first_token_at is None:
+        if self.first_token_at is None:  # the first turn read the prompt
             self.first_token_at = time.perf_counter()
+            if self.on_prompt_read is not None:
+                self.on_prompt_read(self)
         if piece:
             self._send("text", piece)
         return True

@@ -41,9 +41,10 @@ class TooLarge(EdgecError):
     """The request needs more memory than the whole budget, even at the smallest cache."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Ticket:
-    """An admitted session: the cache capacity it runs with (None = the bundle's) and the bytes it holds."""
+    """An admitted session: the cache capacity it runs with (None = the bundle's) and the bytes it holds (less
+    once its prompt is read: ``Scheduler.settle``)."""
 
     capacity: int | None
     bytes: int
@@ -126,12 +127,23 @@ class Scheduler:
                 self._waiting.remove(entry)
             raise
 
+    def settle(self, ticket: Ticket, steady: int) -> None:
+        """A session's prompt is read: from now on it holds only ``steady`` bytes (its state; the larger one a
+        long prompt was read into is freed), so the queue may move."""
+        if steady < ticket.bytes:
+            self.in_use -= ticket.bytes - steady
+            ticket.bytes = steady
+            self._admit_waiting()
+
     def release(self, ticket: Ticket, seconds: float) -> None:
         """A session ended (its state is freed): admit from the queue head while they fit."""
         self.in_use -= ticket.bytes
         self.active -= 1
         if seconds > 0:
             self._durations.append(seconds)
+        self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
         while self._waiting:
             prompt_tokens, future = self._waiting[0]
             if future.done():  # its client left

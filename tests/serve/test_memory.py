@@ -101,6 +101,15 @@ def test_scheduler_full_then_smaller_then_queue_then_busy():
         assert (await waiting).capacity is None and scheduler.queued == 0 and scheduler.in_use == 225
         with pytest.raises(TooLarge):
             await Scheduler(20, 8, 1, [None, 50, 25], lambda c, n: sizes[c]).admit(1)
+        # a long prompt holds a larger state until it is read; then the queue moves
+        sizes[None] = 100
+        long = Scheduler(150, 8, 1, [None], lambda c, n: 100 if n < 10 else 140)
+        reading = await long.admit(20)
+        after = asyncio.ensure_future(long.admit(1))
+        await asyncio.sleep(0)
+        assert not after.done()
+        long.settle(reading, 40)
+        assert (await after).bytes == 100 and long.in_use == 140
         # a waiting client that leaves gives its place up
         leaving = asyncio.ensure_future(scheduler.admit(1))
         await asyncio.sleep(0)
