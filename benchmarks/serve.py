@@ -2,6 +2,7 @@
 another, and what batching several sessions into one step could at most gain on this CPU.
 
     flock /tmp/edgec-heavy.lock python benchmarks/serve.py BUNDLE [--streams 1,4,8] [--max-tokens 64] [--json OUT]
+        [--plot PNG]          (--from-json OUT --plot PNG redraws the figure from a saved report)
 
 Starts the real server (`edgec serve BUNDLE`) on a free port and talks to it with the openai client: every request
 is a streamed chat with greedy decoding; tokens are the server's usage counts. "aggregate tok/s" = all generated
@@ -24,6 +25,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
+
+import numpy as np
 
 QUESTIONS = [
     "Explain what a compiler does.",
@@ -112,13 +115,37 @@ def batching_bound(bundle: Path, sizes=(1, 4, 8), repeats: int = 5) -> list[dict
     return rows
 
 
+def plot(report: dict, path: Path) -> None:
+    """Aggregate tok/s, concurrent vs one after another, per number of streams."""
+    from edgec.plots import _pyplot
+
+    plt = _pyplot()
+    rows = report["serve"]
+    figure, axis = plt.subplots(figsize=(6, 3.6))
+    x = np.arange(len(rows))
+    axis.bar(x - 0.2, [r["sequential_tok_s"] for r in rows], 0.4, label="one after another")
+    bars = axis.bar(x + 0.2, [r["concurrent_tok_s"] for r in rows], 0.4, label="concurrent (edgec serve)")
+    axis.bar_label(bars, labels=[f"{r['ratio']:.2f}x" for r in rows])
+    axis.set_xticks(x, [f"{r['streams']} stream{'s' if r['streams'] > 1 else ''}" for r in rows])
+    axis.set_ylabel("generated tokens / s (all streams)")
+    axis.set_title(f"{report['bundle']}\n{report['machine']}, {report['date']}", fontsize=9)
+    axis.legend(loc="lower right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("bundle", type=Path)
+    parser.add_argument("bundle", type=Path, nargs="?")
     parser.add_argument("--streams", default="1,4,8")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--from-json", type=Path, default=None)
     args = parser.parse_args()
+    if args.from_json:
+        plot(json.loads(args.from_json.read_text()), args.plot)
+        return
     from openai import OpenAI
 
     port = free_port()
@@ -146,6 +173,7 @@ def main() -> None:
     for row in bound:
         print(json.dumps(row), flush=True)
     report = {
+        "bundle": args.bundle.name,
         "command": " ".join(sys.argv),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
@@ -154,6 +182,8 @@ def main() -> None:
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
 
 
 if __name__ == "__main__":
