@@ -81,7 +81,11 @@ class TritonPythonModel:
                 top_p=float(_scalar(request, "top_p", 1.0)),
                 seed=int(_scalar(request, "seed", 0)) or None,
             )
+            cancelled = getattr(request, "is_cancelled", lambda: False)  # the client left (Triton >= 23.10)
             for piece in pieces:
+                if cancelled():
+                    pieces.close()  # frees the cache state now
+                    break
                 text = pb_utils.Tensor("text_output", np.array([piece.encode()], dtype=np.object_))
                 sender.send(pb_utils.InferenceResponse(output_tensors=[text]))
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
