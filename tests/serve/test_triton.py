@@ -45,29 +45,35 @@ def stream(port: int, model: str, prompt: str, max_tokens: int) -> list[str]:
     return [event["text_output"] for event in events]
 
 
+def export(bundle, repo, *options: str):
+    from click.testing import CliRunner
+
+    from edgec.cli import main
+
+    return CliRunner().invoke(main, ["export", "triton", str(bundle), "-o", str(repo), *options])
+
+
+def test_export_writes_a_triton_model_repository(tiny_bundle, tmp_path):
+    done = export(tiny_bundle, tmp_path / "repo", "--model-name", "tiny", "--instances", "2")
+    assert done.exit_code == 0, done.output
+    folder = tmp_path / "repo" / "tiny"
+    config = (folder / "config.pbtxt").read_text()
+    for line in ('name: "tiny"', 'backend: "python"', "decoupled: true", "count: 2 kind: KIND_CPU"):
+        assert line in config
+    assert 'name: "text_input" data_type: TYPE_STRING' in config and 'name: "text_output"' in config
+    assert (folder / "1" / "bundle" / "manifest.json").read_bytes() == (tiny_bundle / "manifest.json").read_bytes()
+    compile((folder / "1" / "model.py").read_text(), "model.py", "exec")
+    again = export(tiny_bundle, tmp_path / "repo", "--model-name", "tiny")
+    assert again.exit_code == 2 and "exists" in again.stderr
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["tiny"]  # no temporary folder left
+
+
+@pytest.mark.slow  # a tritonserver start; `test_export_writes_a_triton_model_repository` checks the files
 def test_stock_tritonserver_streams_from_the_exported_repository(tiny_bundle, tmp_path):
     from edgec.serve.triton import stock_tritonserver
 
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "edgec.cli",
-            "export",
-            "triton",
-            str(tiny_bundle),
-            "-o",
-            str(tmp_path / "repo"),
-            "--model-name",
-            "tiny",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "repo" / "tiny" / "config.pbtxt").is_file()
-    assert (tmp_path / "repo" / "tiny" / "1" / "bundle" / "manifest.json").is_file()
+    done = export(tiny_bundle, tmp_path / "repo", "--model-name", "tiny")
+    assert done.exit_code == 0, done.output
     http, grpc, metrics = free_port(), free_port(), free_port()
     argv, env = stock_tritonserver(tmp_path / "repo", tmp_path / "work", http, grpc, metrics)
     log_path = tmp_path / "triton.log"
