@@ -150,7 +150,19 @@ def main() -> None:
 
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "edgec.cli", "serve", str(args.bundle), "--port", str(port), "--max-sessions", "8"]
+        [
+            sys.executable,
+            "-m",
+            "edgec.cli",
+            "serve",
+            str(args.bundle),
+            "--port",
+            str(port),
+            "--max-sessions",
+            "8",
+            "--max-prompt-tokens",
+            "256",
+        ]
     )
     try:
         for _ in range(600):

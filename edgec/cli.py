@@ -1087,9 +1087,15 @@ def keygen(name) -> None:
     "--memory", default=None, help="Memory the server may use, e.g. 2GiB: sessions get smaller caches, then wait."
 )
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads [default: its own].")
+@click.option(
+    "--max-prompt-tokens",
+    type=int,
+    default=None,
+    help="Longest prompt served; one this long is read at start to measure memory [default: the context - 1].",
+)
 @click.option("--triton", is_flag=True, help="Serve through Triton Inference Server (PyTriton's wheel) instead.")
 @click.option("--model-name", default=None, help="--triton: the model's name [default: the bundle's folder name].")
-def serve(bundle, host, port, max_sessions, queue_size, memory, threads, triton, model_name) -> None:
+def serve(bundle, host, port, max_sessions, queue_size, memory, threads, max_prompt_tokens, triton, model_name) -> None:
     """Serve a bundle: the OpenAI chat and completions API (streamed by server-sent events), /v1/models, /health,
     Prometheus /metrics. One loaded model, one cache state per running session (docs/serving.md).
 
@@ -1111,7 +1117,7 @@ def serve(bundle, host, port, max_sessions, queue_size, memory, threads, triton,
     require("serve")
     from edgec.serve import serve as run_server
 
-    run_server(bundle, host, port, max_sessions, limit, queue_size, threads, echo=click.echo)
+    run_server(bundle, host, port, max_sessions, limit, queue_size, threads, click.echo, max_prompt_tokens)
 
 
 @main.group()

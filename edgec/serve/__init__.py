@@ -24,8 +24,17 @@ def require(extra: str) -> None:
         raise EdgecError(f"edgec serve needs {missing[0]}: pip install 'edgec[{extra}]'")
 
 
-def load_server(bundle: Path, max_sessions: int = 8, memory: int | None = None, queue_size: int = 16, threads=None):
-    """Load the bundle, measure it and build the ``app.Server`` (no socket yet)."""
+def load_server(
+    bundle: Path,
+    max_sessions: int = 8,
+    memory: int | None = None,
+    queue_size: int = 16,
+    threads: int | None = None,
+    max_prompt_tokens: int | None = None,
+    echo=None,
+):
+    """Load the bundle, measure it and build the ``app.Server`` (no socket yet). ``max_prompt_tokens``: the longest
+    prompt served (default: the context less one token); the warm-up reads one that long to measure memory."""
     from edgec.runtime import Model
     from edgec.serve.app import Server
     from edgec.serve.memory import measure
@@ -37,9 +46,14 @@ def load_server(bundle: Path, max_sessions: int = 8, memory: int | None = None, 
     compression = model.cache_spec.compression
     minimum = compression.sink + compression.window + 1 if compression else 0
     capacities = capacity_steps(compression.capacity if model.cache_resizable else None, minimum)
-    smallest = capacities[-1]
-    server_memory = measure(model, memory, model.session_bytes(smallest, 1))
-    return Server(model, Path(bundle).name.removesuffix(".edgec"), server_memory, max_sessions, queue_size, capacities)
+    longest = model.context - 1 if max_prompt_tokens is None else max_prompt_tokens
+    if not 1 <= longest < model.context:
+        raise BuildSettingsError(f"--max-prompt-tokens must lie in [1, {model.context - 1}] (the bundle's context)")
+    if echo is not None:
+        echo(f"measuring: reading one {longest}-token prompt (the longest served; --max-prompt-tokens)")
+    server_memory = measure(model, memory, model.session_bytes(capacities[-1], 1), longest)
+    name = Path(bundle).name.removesuffix(".edgec")
+    return Server(model, name, server_memory, max_sessions, queue_size, capacities, longest)
 
 
 def _check_address(host: str, port: int) -> None:
@@ -62,6 +76,7 @@ def serve(
     queue_size: int = 16,
     threads: int | None = None,
     echo=print,
+    max_prompt_tokens: int | None = None,
 ) -> None:
     """Serve ``bundle`` over HTTP until interrupted."""
     import uvicorn
@@ -69,7 +84,7 @@ def serve(
     from edgec.serve.app import create_app
 
     _check_address(host, port)  # before the model loads: a busy port is one error line, not a late log
-    server = load_server(bundle, max_sessions, memory, queue_size, threads)
+    server = load_server(bundle, max_sessions, memory, queue_size, threads, max_prompt_tokens, echo)
     budget = server.memory.session_budget
     room = "no --memory limit" if budget is None else f"{budget / 2**20:,.0f} MiB for sessions' caches"
     sizes = ", ".join("full" if c is None else str(c) for c in server.scheduler.capacities)

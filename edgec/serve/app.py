@@ -70,9 +70,16 @@ class Server:
     """The pieces one app runs on: the model, its scheduler, engine and metrics."""
 
     def __init__(
-        self, model: Model, name: str, memory: ServerMemory, max_sessions: int, queue_size: int, capacities: list
+        self,
+        model: Model,
+        name: str,
+        memory: ServerMemory,
+        max_sessions: int,
+        queue_size: int,
+        capacities: list,
+        max_prompt_tokens: int,
     ) -> None:
-        self.model, self.name, self.memory = model, name, memory
+        self.model, self.name, self.memory, self.max_prompt_tokens = model, name, memory, max_prompt_tokens
         budget = memory.session_budget if memory.session_budget is not None else float("inf")
         self.scheduler = Scheduler(budget, max_sessions, queue_size, capacities, model.session_bytes)
         self.engine = Engine()
@@ -95,10 +102,15 @@ class Server:
             raise ApiError(400, one_line(error)) from None
         if not ids:
             raise ApiError(400, "the prompt is empty")
-        if len(ids) >= self.model.context:
+        if len(ids) > self.max_prompt_tokens:
+            served = (
+                ""
+                if self.max_prompt_tokens == self.model.context - 1
+                else f"this server takes {self.max_prompt_tokens}; "
+            )
             raise ApiError(
                 400,
-                f"the prompt has {len(ids)} tokens but this model's context is {self.model.context} tokens "
+                f"the prompt has {len(ids)} tokens but {served}this model's context is {self.model.context} tokens "
                 "(prompt and answer together); shorten the prompt",
             )
         return ids

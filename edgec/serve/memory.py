@@ -39,16 +39,16 @@ class ServerMemory:
         return dataclasses.asdict(self) | {"session_budget": self.session_budget, "headroom": HEADROOM}
 
 
-def warm_up(model: Model) -> None:
-    """One generation of the longest prompt the bundle takes (its context, less one token to decode)."""
-    length = max(1, model.context - 1)
-    for _ in model.generate_ids([0] * length, max_new_tokens=2):
+def warm_up(model: Model, prompt_tokens: int) -> None:
+    """One generation of the longest prompt the server takes (its activations are the largest a step has)."""
+    for _ in model.generate_ids([0] * max(1, prompt_tokens), max_new_tokens=2):
         pass
 
 
-def measure(model: Model, limit: int | None, smallest_session: int) -> ServerMemory:
-    """Warm the model up, measure it, and check that ``limit`` leaves room for one session of the smallest size."""
-    warm_up(model)
+def measure(model: Model, limit: int | None, smallest_session: int, prompt_tokens: int) -> ServerMemory:
+    """Warm the model up on a ``prompt_tokens`` prompt, measure it, and check that ``limit`` leaves room for one
+    session of the smallest size."""
+    warm_up(model, prompt_tokens)
     files = model.manifest["files"]
     weights = sum(entry["size"] for name, entry in files.items() if name.endswith((".data", ".onnx", ".trt")))
     memory = ServerMemory(limit, resident_bytes(), weights)
