@@ -128,6 +128,7 @@ def plot(report: dict, path: Path) -> None:
     axis.bar_label(bars, labels=[f"{r['ratio']:.2f}x" for r in rows])
     axis.set_xticks(x, [f"{r['streams']} stream{'s' if r['streams'] > 1 else ''}" for r in rows])
     axis.set_ylabel("generated tokens / s (all streams)")
+    axis.set_ylim(0, 1.18 * max(max(r["concurrent_tok_s"], r["sequential_tok_s"]) for r in rows))
     axis.set_title(f"{report['bundle']}\n{report['machine']}, {report['date']}", fontsize=9)
     axis.legend(loc="lower right", fontsize=8)
     figure.tight_layout()
