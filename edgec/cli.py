@@ -1087,5 +1087,74 @@ def keygen(name) -> None:
     click.echo(f"wrote {private} (private, mode 600) and {public}; key id {key_id(load_public_keys(public)[0])}")
 
 
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--max-sessions", type=int, default=8, show_default=True, help="Generations running at once.")
+@click.option("--queue", "queue_size", type=int, default=16, show_default=True, help="Requests that may wait.")
+@click.option(
+    "--memory", default=None, help="Memory the server may use, e.g. 2GiB: sessions get smaller caches, then wait."
+)
+@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads [default: its own].")
+@click.option(
+    "--max-prompt-tokens",
+    type=int,
+    default=None,
+    help="Longest prompt served; one this long is read at start to measure memory [default: the context - 1].",
+)
+@click.option("--triton", is_flag=True, help="Serve through Triton Inference Server (PyTriton's wheel) instead.")
+@click.option("--model-name", default=None, help="--triton: the model's name [default: the bundle's folder name].")
+def serve(bundle, host, port, max_sessions, queue_size, memory, threads, max_prompt_tokens, triton, model_name) -> None:
+    """Serve a bundle: the OpenAI chat and completions API (streamed by server-sent events), /v1/models, /health,
+    Prometheus /metrics. One loaded model, one cache state per running session (docs/serving.md).
+
+    \b
+    Example:
+      edgec serve smol.edgec --port 8000 --memory 1GiB --max-sessions 8
+      curl localhost:8000/v1/chat/completions -d '{"model": "smol", "messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    from edgec.plan import parse_memory
+    from edgec.serve import require
+
+    limit = parse_memory(memory) if memory is not None else None
+    if triton:
+        require("triton")
+        from edgec.serve.triton import serve_triton
+
+        serve_triton(bundle, host, port, model_name, 1, echo=click.echo)
+        return
+    require("serve")
+    from edgec.serve import serve as run_server
+
+    run_server(bundle, host, port, max_sessions, limit, queue_size, threads, click.echo, max_prompt_tokens)
+
+
+@main.group()
+def export() -> None:
+    """Write a bundle in another serving system's layout."""
+
+
+@export.command(name="triton")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Model repository folder.")
+@click.option("--model-name", default=None, help="The model's name [default: the bundle's folder name].")
+@click.option("--instances", type=int, default=1, show_default=True, help="Model instances (each loads the bundle).")
+def export_triton(bundle, output, model_name, instances) -> None:
+    """A Triton Inference Server model repository: config.pbtxt (decoupled: streamed responses), version folder 1/
+    with a Python-backend model.py that runs the edgec runtime on a copy of the bundle.
+
+    \b
+    Example:
+      edgec export triton smol.edgec -o repo && tritonserver --model-repository repo
+    """
+    from edgec.serve.triton import export_repository
+
+    folder = export_repository(bundle, output, model_name, instances)
+    click.echo(
+        f"wrote {folder} (Triton model {folder.name!r}; stream with POST /v2/models/{folder.name}/generate_stream)"
+    )
+
+
 if __name__ == "__main__":
     main()

@@ -126,8 +126,11 @@ class OrtBackend:
     def providers(self) -> list[str]:
         return self.graph.session.get_providers()
 
-    def open_state(self) -> OrtCacheState:
-        return OrtCacheState(self.graph, self.vocab_size)
+    def open_state(self, kv_capacity: int | None = None) -> OrtCacheState:
+        """A new state; ``kv_capacity``: a compressed cache's slot count for this state alone (the graph takes
+        any), e.g. a smaller one for a served session when memory is short."""
+        spec = self.spec.with_capacity(kv_capacity) if kv_capacity is not None else None
+        return OrtCacheState(self.graph, self.vocab_size, spec=spec)
 
     def close(self) -> None:
         """Nothing to keep: ONNX Runtime frees the session with the last reference."""
@@ -136,10 +139,16 @@ class OrtBackend:
 class OrtCacheState:
     """One cache state on a session: tokens at explicit positions in, logits out, state updated in place."""
 
-    def __init__(self, graph: OrtGraph, vocab_size: int, shared_state: list[StateEntry] | None = None) -> None:
+    def __init__(
+        self,
+        graph: OrtGraph,
+        vocab_size: int,
+        shared_state: list[StateEntry] | None = None,
+        spec: CacheSpec | None = None,
+    ) -> None:
         self.graph = graph
         self.session = graph.session
-        self.spec = graph.spec
+        self.spec = spec or graph.spec  # a compressed cache's slot count may differ per state (open_state)
         self.compression = self.spec.compression
         self._protected = self.spec.protected
         # a second graph over the same cache (static-shape bundles) binds the same buffers

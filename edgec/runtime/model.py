@@ -126,8 +126,16 @@ class Model:
         self.close()
 
     @contextlib.contextmanager
-    def _state(self) -> Iterator[CacheState]:
-        """A cache state no other generation is using, returned to the pool afterwards."""
+    def _state(self, kv_capacity: int | None = None) -> Iterator[CacheState]:
+        """A cache state no other generation is using, returned to the pool afterwards. With ``kv_capacity`` a
+        fresh state of that many compressed slots, dropped afterwards (its memory goes back at once)."""
+        if kv_capacity is not None:
+            state = self._open_state(kv_capacity)
+            try:
+                yield state
+            finally:
+                state.close()
+            return
         with self._lock:
             state = self._idle.pop() if self._idle else None
         if state is None:
@@ -137,6 +145,43 @@ class Model:
         finally:
             with self._lock:
                 self._idle.append(state)
+
+    @property
+    def cache_resizable(self) -> bool:
+        """Whether ``kv_capacity`` may give one generation its own slot count (a compressed cache on a backend
+        whose graph takes any number of slots: ONNX Runtime's dynamic-shape one)."""
+        import inspect
+
+        open_state = self._backend.open_state
+        return self.cache_spec.compression is not None and "kv_capacity" in inspect.signature(open_state).parameters
+
+    def _open_state(self, kv_capacity: int) -> CacheState:
+        self._check_kv_capacity(kv_capacity)
+        try:
+            return self._backend.open_state(kv_capacity)
+        except TypeError:
+            raise GenerationError(f"{self.providers[0]} bundles keep their built cache capacity") from None
+
+    def _check_kv_capacity(self, kv_capacity: int) -> None:
+        compression = self.cache_spec.compression
+        if compression is None or not isinstance(kv_capacity, int) or isinstance(kv_capacity, bool):
+            raise GenerationError("kv_capacity (an int) applies to a bundle with a compressed cache (--kv-*)")
+        head_dim = next(layer.head_dim for layer in self.cache_spec.layers if layer.compressed)
+        try:
+            compression.override(head_dim, capacity=kv_capacity)  # checks it (room to evict)
+        except BuildSettingsError as error:
+            raise GenerationError(str(error)) from None
+
+    def session_bytes(self, kv_capacity: int | None = None, prompt_tokens: int = 0) -> int:
+        """Host or device bytes one generation's cache state takes (``kv_capacity`` slots, default the bundle's),
+        plus the larger temporary state a prompt of ``prompt_tokens`` is read into (``prefill_compress = end``)
+        and the logits row."""
+        spec = self.cache_spec if kv_capacity is None else self.cache_spec.with_capacity(kv_capacity)
+        total = spec.total_bytes() + 4 * self.vocab_size
+        compression = spec.compression
+        if compression and compression.prefill_compress == "end" and prompt_tokens > compression.capacity:
+            total += self.cache_spec.with_capacity(prompt_tokens).total_bytes()
+        return total
 
     @classmethod
     def load(
@@ -230,12 +275,12 @@ class Model:
         return ids
 
     # --- running -----------------------------------------------------------------------------------------
-    def _chunks(self, length: int) -> list[tuple[int, int]]:
+    def _chunks(self, length: int, compression: Compression | None = None) -> list[tuple[int, int]]:
         """(start, end) of each prefill step. The short piece goes first so that the last chunk is full: a
         compressed cache judges the prompt by its last queries, which should be many. A compressed cache that
-        selects between chunks takes at most its capacity per step."""
+        selects between chunks takes at most its capacity per step (``compression``: a state's own settings)."""
         size = self.prefill_chunk
-        compression = self.cache_spec.compression
+        compression = compression or self.cache_spec.compression
         if compression and compression.prefill_compress == "chunk":
             size = min(size, compression.capacity)
         first = length % size or size
@@ -251,7 +296,7 @@ class Model:
         state.begin_prompt(len(ids))
         pieces = []
         start = 0
-        for start, end in self._chunks(len(ids)):
+        for start, end in self._chunks(len(ids), getattr(state, "compression", None)):
             chunk_flags = None if flags is None else flags[start:end]
             logits = state.run(ids[start:end], start, last_only=not all_logits, protect=chunk_flags)
             if reduce is not None:
@@ -364,21 +409,28 @@ class Model:
         protect: Protect = None,
         repeat_penalty: float = 1.0,
         stats: GenerationStats | None = None,
+        kv_capacity: int | None = None,
     ) -> Iterator[int]:
         """Yield new token ids one by one (greedy when temperature is 0); stops at EOS, after
         ``max_new_tokens`` or when the context is full. ``protect`` (a compressed cache only): prompt token
         indices, a predicate over token strings, or heuristics ``"numbers,names"`` — never evicted.
         ``repeat_penalty`` > 1 makes every token already in the prompt or the output less likely (1 = off; the
         Hugging Face rule: positive logits divided by it, negative ones multiplied). ``stats``: filled in with
-        token counts and timings as the generation runs."""
+        token counts and timings as the generation runs. ``kv_capacity``: a compressed cache's slot count for
+        this generation alone (a fresh state, freed when it ends; ``session_bytes`` gives its size)."""
         _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         _check_repeat_penalty(repeat_penalty)
         ids = self._prompt_ids(prompt, messages, chat)
         flags = self._protect_flags(protect, ids)  # bad protect arguments fail here, not at the first next()
         sampling = (temperature, top_k, top_p, float(repeat_penalty))
-        return self._token_stream(ids, max_new_tokens, sampling, seed, flags, stats or GenerationStats())
+        if kv_capacity is not None:
+            self._check_kv_capacity(kv_capacity)  # a capacity that cannot work fails here, not at the first next()
+        stats = stats or GenerationStats()
+        return self._token_stream(ids, max_new_tokens, sampling, seed, flags, stats, kv_capacity)
 
-    def _token_stream(self, ids, max_new_tokens, sampling, seed, flags, stats: GenerationStats) -> Iterator[int]:
+    def _token_stream(
+        self, ids, max_new_tokens, sampling, seed, flags, stats: GenerationStats, kv_capacity: int | None = None
+    ) -> Iterator[int]:
         if max_new_tokens == 0:
             return
         temperature, top_k, top_p, repeat_penalty = sampling
@@ -395,7 +447,7 @@ class Model:
 
         stats.prompt_tokens, stats.new_tokens, stats.decode_seconds = len(ids), 0, 0.0
         started = time.perf_counter()
-        with self._state() as state:  # held until the generator is exhausted or closed
+        with self._state(kv_capacity) as state:  # held until the generator is exhausted or closed
             logits = self._prefill(state, ids, all_logits=False, flags=flags)[-1]
             stats.prompt_seconds = time.perf_counter() - started
             token = choose(logits)

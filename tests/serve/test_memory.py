@@ -1,0 +1,137 @@
+"""An over-budget burst: smaller caches first, then the queue, then 429 — and the server's resident memory never
+above --memory. Also the scheduler's rules alone, and one generation's own cache capacity in the runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from edgec.runtime import Model
+from edgec.serve.memory import HEADROOM
+from edgec.serve.scheduler import Busy, Scheduler, TooLarge, capacity_steps
+from tests.conftest import pydoc_text
+from tests.serve.conftest import CONTEXT, running_server
+
+
+def test_over_budget_burst_gets_smaller_caches_then_a_queue_then_429(serve_bundle, server):
+    import openai
+
+    model = Model.load(serve_bundle)
+    full, quarter = model.session_bytes(), model.session_bytes(CONTEXT // 4)
+    # room for two full caches and a quarter one beside them (measured like the server measures itself), not more
+    model_bytes = server.health()["memory"]["model_bytes"]
+    limit = model_bytes + HEADROOM + 2 * full + quarter + full // 8
+    burst = 9
+    assert burst * full > 3 * (limit - model_bytes - HEADROOM)  # the burst could never run at full capacity here
+    samples, stop = [], threading.Event()
+    with running_server(serve_bundle, "--memory", str(limit), "--max-sessions", "8", "--queue", "2") as small:
+        client, name = small.client(), "wide"
+        budget = small.health()["memory"]["session_budget"]
+
+        def watch():
+            while not stop.is_set():
+                health = small.health()
+                samples.append((health["queued"], health["kv_bytes_in_use"], health["capacities"]))
+                time.sleep(0.01)
+
+        def ask(i: int) -> str:
+            try:
+                text = client.completions.create(model=name, prompt=f"Item {i}:", max_tokens=200, temperature=0)
+                return "ok" if text.choices[0].text is not None else "empty"
+            except openai.RateLimitError as error:
+                assert int(error.response.headers["retry-after"]) >= 1
+                return "429"
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        with ThreadPoolExecutor(burst) as pool:
+            outcomes = list(pool.map(ask, range(burst)))
+        stop.set()
+        watcher.join()
+        peak = small.peak_rss()
+        reduced = sum(small.metric("edgec_sessions_total", f'capacity="{CONTEXT // d}"') for d in (2, 4))
+        admitted_full = small.metric("edgec_sessions_total", 'capacity="full"')
+    assert outcomes.count("429") >= 1 and outcomes.count("ok") == burst - outcomes.count("429")
+    assert reduced >= 1 and admitted_full >= 2  # full caches while they fit, then smaller ones
+    assert max(queued for queued, _, _ in samples) >= 1  # some waited in the queue
+    assert max(in_use for _, in_use, _ in samples) <= budget
+    assert peak <= limit, f"peak resident {peak / 2**20:.1f} MiB above --memory {limit / 2**20:.1f} MiB"
+
+
+@pytest.mark.slow
+def test_memory_too_small_for_one_session_is_one_error_line(serve_bundle, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "edgec.cli", "serve", str(serve_bundle), "--memory", "64MiB"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stderr.startswith("error: --memory 64 MiB is too small")
+    assert "Traceback" not in done.stderr
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_scheduler_full_then_smaller_then_queue_then_busy():
+    sizes = {None: 100, 50: 50, 25: 25}
+    scheduler = Scheduler(
+        230, max_sessions=8, queue_size=1, capacities=[None, 50, 25], session_bytes=lambda c, n: sizes[c]
+    )
+
+    async def scenario():
+        first, second = await scheduler.admit(1), await scheduler.admit(1)
+        third = await scheduler.admit(1)  # 30 left: a quarter cache
+        assert (first.capacity, second.capacity, third.capacity) == (None, None, 25) and third.reduced
+        waiting = asyncio.ensure_future(scheduler.admit(1))  # 5 left: queued
+        await asyncio.sleep(0)
+        assert scheduler.queued == 1 and not waiting.done()
+        with pytest.raises(Busy) as busy:
+            await scheduler.admit(1)
+        assert busy.value.retry_after >= 1
+        scheduler.release(first, 2.0)  # 105 free: the queued one gets a full cache
+        assert (await waiting).capacity is None and scheduler.queued == 0 and scheduler.in_use == 225
+        with pytest.raises(TooLarge):
+            await Scheduler(20, 8, 1, [None, 50, 25], lambda c, n: sizes[c]).admit(1)
+        # a long prompt holds a larger state until it is read; then the queue moves
+        sizes[None] = 100
+        long = Scheduler(150, 8, 1, [None], lambda c, n: 100 if n < 10 else 140)
+        reading = await long.admit(20)
+        after = asyncio.ensure_future(long.admit(1))
+        await asyncio.sleep(0)
+        assert not after.done()
+        long.settle(reading, 40)
+        assert (await after).bytes == 100 and long.in_use == 140
+        # a waiting client that leaves gives its place up
+        leaving = asyncio.ensure_future(scheduler.admit(1))
+        await asyncio.sleep(0)
+        leaving.cancel()
+        await asyncio.sleep(0)
+        assert scheduler.queued == 0
+
+    run(scenario())
+    assert capacity_steps(4096, 97) == [None, 2048, 1024]
+    assert capacity_steps(256, 97) == [None, 128]  # never below sinks + window + 1
+    assert capacity_steps(None, 0) == [None]  # a plain cache cannot shrink
+
+
+def test_one_generation_gets_its_own_capacity(serve_bundle):
+    """generate_ids(kv_capacity=N) decodes exactly as a model loaded with kv_capacity=N, beside full-size ones."""
+    shared = Model.load(serve_bundle)
+    prompt = shared.encode(pydoc_text()[:9000])[:700]  # longer than 512 slots: eviction decides the answer
+    small = list(Model.load(serve_bundle, kv_capacity=512).generate_ids(prompt, max_new_tokens=12))
+    full = list(shared.generate_ids(prompt, max_new_tokens=12))
+    assert small != full  # the capacity matters for this prompt, so the comparison below can fail
+    assert list(shared.generate_ids(prompt, max_new_tokens=12, kv_capacity=512)) == small
+    assert list(shared.generate_ids(prompt, max_new_tokens=12)) == full
+    assert shared.session_bytes(512) < shared.session_bytes() // 3
+    with pytest.raises(ValueError, match="no room to evict"):
+        shared.generate_ids(prompt, kv_capacity=8)

@@ -1,0 +1,123 @@
+"""Triton Inference Server: the tritonserver binary from PyTriton's wheel loads `edgec export triton`'s repository
+and streams a completion (decoupled responses, the generate_stream endpoint); `edgec serve --triton` does the same
+through PyTriton."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from edgec.runtime import Model
+from tests.serve.conftest import free_port
+
+pytest.importorskip("pytriton")
+
+
+def wait_ready(port: int, model: str, process: subprocess.Popen, log) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(f"tritonserver exited: {log()}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}/ready", timeout=1):
+                return
+        assert time.monotonic() < deadline, f"tritonserver not ready: {log()}"
+        time.sleep(0.1)
+
+
+def stream(port: int, model: str, prompt: str, max_tokens: int) -> list[str]:
+    body = json.dumps({"text_input": prompt, "max_tokens": max_tokens}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v2/models/{model}/generate_stream",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        lines = response.read().decode().splitlines()
+    events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+    assert not [e for e in events if "error" in e], events
+    return [event["text_output"] for event in events]
+
+
+def export(bundle, repo, *options: str):
+    from click.testing import CliRunner
+
+    from edgec.cli import main
+
+    return CliRunner().invoke(main, ["export", "triton", str(bundle), "-o", str(repo), *options])
+
+
+def test_export_writes_a_triton_model_repository(tiny_bundle, tmp_path):
+    done = export(tiny_bundle, tmp_path / "repo", "--model-name", "tiny", "--instances", "2")
+    assert done.exit_code == 0, done.output
+    folder = tmp_path / "repo" / "tiny"
+    config = (folder / "config.pbtxt").read_text()
+    for line in ('name: "tiny"', 'backend: "python"', "decoupled: true", "count: 2 kind: KIND_CPU"):
+        assert line in config
+    assert 'name: "text_input" data_type: TYPE_STRING' in config and 'name: "text_output"' in config
+    assert (folder / "1" / "bundle" / "manifest.json").read_bytes() == (tiny_bundle / "manifest.json").read_bytes()
+    compile((folder / "1" / "model.py").read_text(), "model.py", "exec")
+    again = export(tiny_bundle, tmp_path / "repo", "--model-name", "tiny")
+    assert again.exit_code == 2 and "exists" in again.stderr
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["tiny"]  # no temporary folder left
+
+
+@pytest.mark.slow  # a tritonserver start; `test_export_writes_a_triton_model_repository` checks the files
+def test_stock_tritonserver_streams_from_the_exported_repository(tiny_bundle, tmp_path):
+    from edgec.serve.triton import stock_tritonserver
+
+    done = export(tiny_bundle, tmp_path / "repo", "--model-name", "tiny")
+    assert done.exit_code == 0, done.output
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    argv, env = stock_tritonserver(tmp_path / "repo", tmp_path / "work", http, grpc, metrics)
+    log_path = tmp_path / "triton.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(http, "tiny", process, log_path.read_text)
+        pieces = stream(http, "tiny", "The keyword lambda", 12)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    want = Model.load(tiny_bundle).generate("The keyword lambda", max_new_tokens=12)
+    assert len(pieces) > 1 and "".join(pieces) == want  # streamed piece by piece, the runtime's own answer
+
+
+@pytest.mark.slow  # the same model.py and tritonserver as the test above, started by the command
+def test_edgec_serve_triton_streams(tiny_bundle, tmp_path):
+    port = free_port()
+    while port + 2 > 65535:
+        port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "edgec.cli",
+                "serve",
+                str(tiny_bundle),
+                "--triton",
+                "--port",
+                str(port),
+                "--model-name",
+                "tiny",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_ready(port, "tiny", process, log_path.read_text)
+        pieces = stream(port, "tiny", "The keyword lambda", 12)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    assert len(pieces) > 1 and "".join(pieces) == Model.load(tiny_bundle).generate(
+        "The keyword lambda", max_new_tokens=12
+    )
