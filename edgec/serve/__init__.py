@@ -1,7 +1,7 @@
 """``edgec serve``: one bundle behind the OpenAI API (``app``), many sessions on one set of weights (``engine``),
 admitted into a memory budget (``scheduler``, ``memory``); and beyond one machine, Triton Inference Server
 (``triton``: PyTriton, and a model repository a stock tritonserver loads). docs/serving.md tells the whole story.
-Needs ``pip install 'edgec[serve]'`` (``edgec[triton]`` for Triton)."""
+Needs ``pip install 'edgec[serve]'`` (for Triton also ``pip install --no-deps nvidia-pytriton==0.7.0``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from edgec.errors import BuildSettingsError, EdgecError
 
 EXTRAS = {
     "serve": ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "psutil"),
-    "triton": ("pytriton", "tritonclient"),
+    "triton": ("pytriton",),
+}
+# how to install each extra: nvidia-pytriton without its dependencies (only its tritonserver is used; its client
+# pins numpy < 2)
+INSTALL = {
+    "serve": "pip install 'edgec[serve]'",
+    "triton": "pip install 'edgec[serve]' && pip install --no-deps nvidia-pytriton==0.7.0",
 }
 
 
@@ -21,7 +27,7 @@ def require(extra: str) -> None:
 
     missing = [name for name in EXTRAS[extra] if importlib.util.find_spec(name) is None]
     if missing:
-        raise EdgecError(f"edgec serve needs {missing[0]}: pip install 'edgec[{extra}]'")
+        raise EdgecError(f"edgec serve needs {missing[0]}: {INSTALL[extra]}")
 
 
 def load_server(

@@ -100,14 +100,43 @@ class TritonPythonModel:
 '''
 
 
-def default_python_path() -> str:
-    """Where this interpreter finds edgec and its runtime libraries (the Triton Python stub starts without them)."""
+def default_python_path(python: Path | None = None, numpy_1: bool = False) -> str:
+    """Where the model finds edgec and its runtime libraries (the Triton Python stub starts without them): edgec's
+    own folder, then the site-packages of ``python`` (default: this interpreter)."""
     edgec_root = str(Path(__file__).resolve().parents[2])
-    return ":".join(dict.fromkeys([edgec_root, *site.getsitepackages()]))
+    return ":".join(dict.fromkeys([edgec_root, *model_environment(python, numpy_1)]))
+
+
+def model_environment(python: Path | None, numpy_1: bool) -> list[str]:
+    """The site-packages of the Python whose environment the Triton Python backend runs the model in. ``numpy_1``:
+    the backend stub in PyTriton's 0.7.0 wheel is built against numpy 1 and garbles string tensors under numpy 2,
+    so with that server the environment needs numpy < 2 (plus edgec's runtime: onnxruntime, tokenizers)."""
+    import json
+    import subprocess
+
+    if python is None:
+        python = Path(sys.executable)
+    probe = "import json, site, numpy; print(json.dumps([numpy.__version__, site.getsitepackages()]))"
+    try:
+        found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60)
+        numpy_version, packages = json.loads(found.stdout)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        raise BuildSettingsError(f"--python {python}: not a Python with numpy installed") from None
+    if numpy_1 and int(numpy_version.split(".")[0]) >= 2:
+        raise BuildSettingsError(
+            f"--python {python} has numpy {numpy_version}; Triton's Python backend (PyTriton's wheel) needs numpy < 2 "
+            "in the model's environment: give --python a venv with pip install 'numpy<2' onnxruntime tokenizers"
+        )
+    return packages
 
 
 def export_repository(
-    bundle: Path, output: Path, model_name: str | None = None, instances: int = 1, python_path: str | None = None
+    bundle: Path,
+    output: Path,
+    model_name: str | None = None,
+    instances: int = 1,
+    python: Path | None = None,
+    numpy_1: bool = False,
 ) -> Path:
     """Write ``output/<name>/config.pbtxt`` and ``output/<name>/1/`` (model.py + a copy of the bundle); returns
     the model folder. Written into a temporary folder and renamed into place."""
@@ -132,8 +161,7 @@ def export_repository(
         inputs = "\n".join(
             f'input [ {{ name: "{n}" data_type: {t} dims: [ 1 ] optional: {str(o).lower()} }} ]' for n, t, o in INPUTS
         )
-        path = default_python_path() if python_path is None else python_path
-        config = CONFIG.format(name=name, inputs=inputs, instances=instances, python_path=path)
+        config = CONFIG.format(name=name, inputs=inputs, instances=instances, python_path=default_python_path(python, numpy_1))
         (temporary / "config.pbtxt").write_text(config)
         temporary.rename(folder)
     finally:
@@ -141,21 +169,37 @@ def export_repository(
     return folder
 
 
-def stock_tritonserver(repository: Path, workdir: Path, http_port: int, grpc_port: int, metrics_port: int):
+def pytriton_root() -> Path:
+    """The installed ``pytriton`` package's folder, found without importing it: only its tritonserver binary and
+    stubs are used, so the wheel is installed ``--no-deps`` (its Python client pins numpy < 2, which edgec's build
+    tools outgrew) and its ``__init__`` (which imports that client) must not run."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise BuildSettingsError(
+            "Triton Inference Server needs the tritonserver that nvidia-pytriton's wheel ships: "
+            "pip install --no-deps nvidia-pytriton==0.7.0"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def stock_tritonserver(
+    repository: Path, workdir: Path, http_port: int, grpc_port: int, metrics_port: int, python: Path | None = None
+):
     """(argv, env) that start the tritonserver binary PyTriton's wheel ships, unmodified, on ``repository``:
     its distribution copied to ``workdir`` with the Python-backend stub for this interpreter (what PyTriton
     itself does before it starts the server)."""
-    from pytriton.utils.distribution import get_libs_path, get_root_module_path, get_stub_path
-
+    root = pytriton_root()
     server = Path(workdir) / "tritonserver"
-    shutil.copytree(
-        get_root_module_path() / "tritonserver", server, ignore=shutil.ignore_patterns("python_backend_stubs")
-    )
+    shutil.copytree(root / "tritonserver", server, ignore=shutil.ignore_patterns("python_backend_stubs"))
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    shutil.copy(get_stub_path(version), server / "backends" / "python" / "triton_python_backend_stub")
+    stub = root / "tritonserver" / "python_backend_stubs" / version / "triton_python_backend_stub"
+    shutil.copy(stub, server / "backends" / "python" / "triton_python_backend_stub")
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = ":".join(filter(None, [env.get("LD_LIBRARY_PATH"), str(get_libs_path())]))
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    libs = root.parent / "nvidia_pytriton.libs"  # where the wheel puts the server's shared libraries
+    env["LD_LIBRARY_PATH"] = ":".join(filter(None, [env.get("LD_LIBRARY_PATH"), str(libs)]))
+    env["PATH"] = f"{Path(python or sys.executable).parent}:{env['PATH']}"  # the stub's Python environment
     argv = [
         str(server / "bin" / "tritonserver"),
         f"--model-repository={repository}",
@@ -168,7 +212,15 @@ def stock_tritonserver(repository: Path, workdir: Path, http_port: int, grpc_por
     return argv, env
 
 
-def serve_triton(bundle: Path, host: str, port: int, model_name: str | None, instances: int, echo=print) -> None:
+def serve_triton(
+    bundle: Path,
+    host: str,
+    port: int,
+    model_name: str | None,
+    instances: int,
+    echo=print,
+    python: Path | None = None,
+) -> None:
     """``edgec serve --triton``: the bundle exported into a temporary repository and served by the tritonserver
     of PyTriton's wheel (HTTP on ``port``, gRPC on port + 1, metrics on port + 2) until interrupted.
 
@@ -181,8 +233,8 @@ def serve_triton(bundle: Path, host: str, port: int, model_name: str | None, ins
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="edgec-triton-") as work:
-        folder = export_repository(bundle, Path(work) / "repo", model_name, instances)
-        argv, env = stock_tritonserver(Path(work) / "repo", Path(work), port, port + 1, port + 2)
+        folder = export_repository(bundle, Path(work) / "repo", model_name, instances, python, numpy_1=True)
+        argv, env = stock_tritonserver(Path(work) / "repo", Path(work), port, port + 1, port + 2, python)
         argv.append(f"--http-address={host}")
         echo(
             f"serving {folder.name} through Triton at http://{host}:{port} "

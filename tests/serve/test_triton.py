@@ -5,18 +5,27 @@ through PyTriton."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from edgec.runtime import Model
 from tests.serve.conftest import free_port
 
-pytest.importorskip("pytriton")
+if importlib.util.find_spec("pytriton") is None:  # installed --no-deps: never imported, only its tritonserver used
+    pytest.skip("nvidia-pytriton is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+
+# the model's environment for the wheel's tritonserver (numpy < 2 for its backend stub), made by scripts/setup.sh
+TRITON_PYTHON = Path(__file__).resolve().parents[2] / ".venv-triton" / "bin" / "python"
+needs_triton_python = pytest.mark.skipif(
+    not TRITON_PYTHON.exists(), reason="no .venv-triton (scripts/setup.sh makes it: numpy < 2 + edgec's runtime)"
+)
 
 
 def wait_ready(port: int, model: str, process: subprocess.Popen, log) -> None:
@@ -68,14 +77,15 @@ def test_export_writes_a_triton_model_repository(tiny_bundle, tmp_path):
     assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["tiny"]  # no temporary folder left
 
 
+@needs_triton_python
 @pytest.mark.slow  # a tritonserver start; `test_export_writes_a_triton_model_repository` checks the files
 def test_stock_tritonserver_streams_from_the_exported_repository(tiny_bundle, tmp_path):
     from edgec.serve.triton import stock_tritonserver
 
-    done = export(tiny_bundle, tmp_path / "repo", "--model-name", "tiny")
+    done = export(tiny_bundle, tmp_path / "repo", "--model-name", "tiny", "--python", str(TRITON_PYTHON))
     assert done.exit_code == 0, done.output
     http, grpc, metrics = free_port(), free_port(), free_port()
-    argv, env = stock_tritonserver(tmp_path / "repo", tmp_path / "work", http, grpc, metrics)
+    argv, env = stock_tritonserver(tmp_path / "repo", tmp_path / "work", http, grpc, metrics, TRITON_PYTHON)
     log_path = tmp_path / "triton.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -89,6 +99,7 @@ def test_stock_tritonserver_streams_from_the_exported_repository(tiny_bundle, tm
     assert len(pieces) > 1 and "".join(pieces) == want  # streamed piece by piece, the runtime's own answer
 
 
+@needs_triton_python
 @pytest.mark.slow  # the same model.py and tritonserver as the test above, started by the command
 def test_edgec_serve_triton_streams(tiny_bundle, tmp_path):
     port = free_port()
@@ -108,6 +119,8 @@ def test_edgec_serve_triton_streams(tiny_bundle, tmp_path):
                 str(port),
                 "--model-name",
                 "tiny",
+                "--python",
+                str(TRITON_PYTHON),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -121,3 +134,17 @@ def test_edgec_serve_triton_streams(tiny_bundle, tmp_path):
     assert len(pieces) > 1 and "".join(pieces) == Model.load(tiny_bundle).generate(
         "The keyword lambda", max_new_tokens=12
     )
+
+
+def test_the_wheels_tritonserver_refuses_a_numpy_2_environment():
+    """The backend stub of PyTriton's wheel garbles string tensors under numpy 2: one clear line, not a dead stub."""
+    import numpy
+
+    from edgec.errors import BuildSettingsError
+    from edgec.serve.triton import model_environment
+
+    if int(numpy.__version__.split(".")[0]) < 2:
+        pytest.skip("this environment has numpy < 2")
+    with pytest.raises(BuildSettingsError, match="numpy < 2"):
+        model_environment(Path(sys.executable), numpy_1=True)
+    assert model_environment(Path(sys.executable), numpy_1=False)  # a repository for another tritonserver
