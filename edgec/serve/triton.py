@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import site
 import sys
 from pathlib import Path
 
@@ -161,7 +160,9 @@ def export_repository(
         inputs = "\n".join(
             f'input [ {{ name: "{n}" data_type: {t} dims: [ 1 ] optional: {str(o).lower()} }} ]' for n, t, o in INPUTS
         )
-        config = CONFIG.format(name=name, inputs=inputs, instances=instances, python_path=default_python_path(python, numpy_1))
+        config = CONFIG.format(
+            name=name, inputs=inputs, instances=instances, python_path=default_python_path(python, numpy_1)
+        )
         (temporary / "config.pbtxt").write_text(config)
         temporary.rename(folder)
     finally:
