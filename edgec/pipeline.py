@@ -52,7 +52,11 @@ PIPELINE: tuple[Row, ...] = (
         "kv_cache",
         lambda c: c.kv is not None,
         "first: it needs every global layer still a KVAttention node",
-        lambda c: {"compression": c.kv, "data_dependent_shapes": c.target.abilities.data_dependent_shapes},
+        lambda c: {
+            "compression": c.kv,
+            "data_dependent_shapes": c.target.abilities.data_dependent_shapes,
+            "fused_attention": c.target.abilities.attention == "gqa",  # ONNX Runtime's fused kernel for prompts
+        },
     ),
     Row("fuse_projections", _optional("fuse_projections"), "reads the exported MatMul projections"),
     Row("fp8", lambda c: c.weights == "fp8", "reads fp32 MatMul weights: before the lm_head becomes a Gemm"),

@@ -61,14 +61,46 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
-    # ONNX Runtime's pool threads spin between nodes (its default, kept): on a dedicated machine that is what
-    # makes 2 threads pay (int4 decode 0.97x genai spinning vs 0.66x not). On a machine that runs anything
-    # else a spinning pool waits on a descheduled thread at every one of a step's ~1,000 small nodes:
-    # EDGEC_ORT_SPIN=0 made decode 2x faster there (docs/BENCHMARKS.md, "threads")
-    options.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("EDGEC_ORT_SPIN", "1"))
+    spin = allow_spinning(threads)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     if threads:
         options.intra_op_num_threads = threads
     return options
+
+
+def allow_spinning(threads: int | None, load: float | None = None, cpus: int | None = None) -> bool:
+    """Whether ONNX Runtime's pool threads should spin between nodes, chosen from what the machine is doing when
+    the bundle loads. Spinning pays only where every pool thread has a core to itself: on an idle machine it is
+    what makes 2 threads pay (int4 decode 0.97× onnxruntime-genai spinning, 0.66× not), while on a machine running
+    other work a spinning pool waits on a descheduled thread at every one of a step's ~1,000 small nodes (2×
+    slower there; docs/BENCHMARKS.md, "threads"). So: spin iff the other work running now (``busy_elsewhere``)
+    plus the pool's threads fit the cores this process may use. ``EDGEC_ORT_SPIN=0|1`` still forces it."""
+    forced = os.environ.get("EDGEC_ORT_SPIN")
+    if forced in ("0", "1"):
+        return forced == "1"
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    pool = threads or cpus  # ONNX Runtime's default: one thread per core
+    if pool <= 1:
+        return False  # no pool threads to spin
+    load = busy_elsewhere() if load is None else load
+    return load + pool <= cpus + 0.5
+
+
+def busy_elsewhere(samples: int = 10, interval: float = 0.003) -> float:
+    """How many threads of other programs are running now: the kernel's count of runnable threads
+    (/proc/loadavg), less this one, averaged over ``samples`` looks (~0.05 s in all). Unlike the load
+    average it does not remember this program's own work of the last minutes. 0 where there is no /proc."""
+    import time
+
+    counts = []
+    for _ in range(samples):
+        try:
+            running = Path("/proc/loadavg").read_text().split()[3].split("/")[0]
+        except (OSError, IndexError):
+            return 0.0
+        counts.append(max(int(running) - 1, 0))
+        time.sleep(interval)
+    return sum(counts) / len(counts)
 
 
 class OrtGraph:
