@@ -71,6 +71,7 @@ SCHEMA_V1: dict[str, Any] = {
         "context": int,
         "decode_file?": str,
         "static_tokens?": int,
+        "prefill_file?": str,  # multi-token steps' graph over the same weights (edgec/prefill_graph.py)
     },
     "cache": {
         "dtype": str,
@@ -170,7 +171,7 @@ CHOICES: dict[str, tuple[str, ...] | re.Pattern[str]] = {
     "runtime.protect": re.compile(r" *(numbers|names) *(, *(numbers|names) *)?"),
 }
 # Fields that name a file of the bundle: each must be a plain relative path listed in ``files``
-PATH_FIELDS = ("model.file", "model.decode_file", "tokenizer.file", "runtime.engine")
+PATH_FIELDS = ("model.file", "model.decode_file", "model.prefill_file", "tokenizer.file", "runtime.engine")
 # Files beside the listed ones: the manifest itself and the optional signature over it (edgec.signing)
 UNLISTED = ("manifest.json", "signature.json")
 _PATH_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}")

@@ -149,17 +149,19 @@ def _allocate(spec: CacheSpec, device: StateDevice, compressed_slots: int | None
 
 
 class OrtBackend:
-    """A dynamic-shape bundle: one session; each cache state binds its own buffers to it."""
+    """A dynamic-shape bundle: one session (two where the bundle has a prompt-chunk graph, ``prefill``: then
+    multi-token steps run on it); each cache state binds its own buffers to them."""
 
-    def __init__(self, graph: OrtGraph, vocab_size: int, max_tokens: int) -> None:
+    def __init__(self, graph: OrtGraph, vocab_size: int, max_tokens: int, prefill: OrtGraph | None = None) -> None:
         self.graph, self.spec, self.vocab_size, self.max_tokens = graph, graph.spec, vocab_size, max_tokens
+        self.prefill = prefill
 
     @property
     def providers(self) -> list[str]:
         return self.graph.session.get_providers()
 
     def open_state(self) -> OrtCacheState:
-        return OrtCacheState(self.graph, self.vocab_size)
+        return OrtCacheState(self.graph, self.vocab_size, prefill=self.prefill)
 
     def close(self) -> None:
         """Nothing to keep: ONNX Runtime frees the session with the last reference."""
@@ -168,9 +170,16 @@ class OrtBackend:
 class OrtCacheState:
     """One cache state on a session: tokens at explicit positions in, logits out, state updated in place."""
 
-    def __init__(self, graph: OrtGraph, vocab_size: int, shared_state: list[StateEntry] | None = None) -> None:
+    def __init__(
+        self,
+        graph: OrtGraph,
+        vocab_size: int,
+        shared_state: list[StateEntry] | None = None,
+        prefill: OrtGraph | None = None,
+    ) -> None:
         self.graph = graph
         self.session = graph.session
+        self._chunk_session = prefill.session if prefill is not None else graph.session  # multi-token steps
         self.spec = graph.spec
         self.compression = self.spec.compression
         self._protected = self.spec.protected
@@ -188,8 +197,9 @@ class OrtCacheState:
             self._state, self._token, self._position, self._last, self._protect_one, self._logits
         )
 
-    def _binding(self, state, ids, positions, index, protect, logits) -> ort.IOBinding:
-        binding = self.session.io_binding()
+    def _binding(self, state, ids, positions, index, protect, logits, session=None) -> ort.IOBinding:
+        session = session or self.session
+        binding = session.io_binding()
         for tensor, value in state:
             binding.bind_ortvalue_input(tensor.input, value)
             binding.bind_ortvalue_output(tensor.output, value)
@@ -270,7 +280,8 @@ class OrtCacheState:
         ids = np.ascontiguousarray(ids, np.int64).reshape(1, count)
         positions = np.ascontiguousarray(positions, np.int64).reshape(1, count)
         index = np.ascontiguousarray(index, np.int64)
-        self.session.run_with_iobinding(self._binding(self._active, ids, positions, index, flags, logits))
+        session = self._chunk_session if count > 1 else self.session
+        session.run_with_iobinding(self._binding(self._active, ids, positions, index, flags, logits, session))
         return logits[0]
 
 
@@ -347,7 +358,10 @@ def open_backend(
     vocab = int(model["vocab_size"])
     first = OrtGraph(folder / model["file"], spec, providers, threads, provider_options, exact)
     if "decode_file" not in model:
-        return OrtBackend(first, vocab, prefill_chunk)
+        prefill = None
+        if "prefill_file" in model:
+            prefill = OrtGraph(folder / model["prefill_file"], spec, providers, threads, provider_options, exact)
+        return OrtBackend(first, vocab, prefill_chunk, prefill)
     decode = OrtGraph(folder / model["decode_file"], spec, providers, threads, provider_options, exact)
     return StaticOrtBackend(first, decode, vocab, int(model["static_tokens"]))
 
