@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=8000)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated (all in one run)")
+    parser.add_argument("--rss", help="runtimes whose peak RSS to measure, separated by ; (default: all)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     thread_counts = [int(t) for t in str(args.threads).split(",")]
@@ -140,7 +141,7 @@ def main() -> None:
             print(f"round {round_index}, {threads} thread(s): {name} {samples[threads, name][-1]}", flush=True)
     del runners
     rss = {}
-    for name in names:
+    for name in args.rss.split(";") if args.rss else names:
         command = [sys.executable, __file__, "--worker", name, "--threads", str(thread_counts[-1])]
         done = subprocess.run([*command, "--prompt", str(args.prompt)], capture_output=True, text=True, check=True)
         rss[name] = float(done.stdout.strip().splitlines()[-1])
@@ -168,7 +169,7 @@ def main() -> None:
                 "decode_vs_genai_fp32": paired(threads, name, GENAI_FP32, 1),
                 "prefill_vs_edgec_int4_plain": paired(threads, name, PLAIN_INT4, 0),
                 "prefill_vs_genai_fp32": paired(threads, name, GENAI_FP32, 0),
-                "peak_rss_gb": round(rss[name], 2),
+                "peak_rss_gb": round(rss[name], 2) if name in rss else None,
                 "kv_bytes": kv_bytes(name, args.prompt, args.new_tokens),
             }
             for (threads, name), runs in samples.items()
@@ -186,10 +187,14 @@ def main() -> None:
             f"| {row['name']} | {row['threads']} | {row['decode_tok_s']:.1f} | {row['decode_vs_genai_int4']:.2f}× | "
             f"{row['decode_vs_genai_fp32']:.2f}× | {row['prefill_s']:.1f} s | "
             f"{row['prefill_vs_edgec_int4_plain']:.2f}× | "
-            f"{row['prefill_vs_genai_fp32']:.2f}× | {row['peak_rss_gb']:.2f} GB | {row['kv_bytes'] / 2**20:.1f} MiB "
+            f"{row['prefill_vs_genai_fp32']:.2f}× | {_gb(row['peak_rss_gb'])} | {row['kv_bytes'] / 2**20:.1f} MiB "
             f"({fp16 / row['kv_bytes']:.1f}× smaller) |"
         )
     plot(results, OUT / "kv_speed.png")
+
+
+def _gb(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.2f} GB"
 
 
 def plot(results: dict, path: Path) -> None:

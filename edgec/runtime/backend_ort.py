@@ -86,9 +86,9 @@ def allow_spinning(threads: int | None, load: float | None = None, cpus: int | N
     return load + pool <= cpus + 0.5
 
 
-def busy_elsewhere(samples: int = 10, interval: float = 0.003) -> float:
+def busy_elsewhere(samples: int = 5, interval: float = 0.002) -> float:
     """How many threads of other programs are running now: the kernel's count of runnable threads
-    (/proc/loadavg), less this one, averaged over ``samples`` looks (~0.05 s in all). Unlike the load
+    (/proc/loadavg), less this one, averaged over ``samples`` looks (~0.01 s in all). Unlike the load
     average it does not remember this program's own work of the last minutes. 0 where there is no /proc."""
     import time
 
