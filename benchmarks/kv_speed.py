@@ -1,12 +1,16 @@
-"""Decode speed and memory with an 8K-token prompt: the compressed cache (1024 int8 slots) vs the full fp32
-cache vs onnxruntime-genai fp32 and int4, SmolLM2-135M, in ONE process with the runtimes alternating.
+"""Decode speed, time to first token and memory with an 8K-token prompt: int4 weights with the compressed cache
+(1024 int8 slots) vs int4 and fp32 with the full cache vs onnxruntime-genai fp32 and int4, SmolLM2-135M, in ONE
+process with the runtimes (and thread counts) alternating.
 
-    python benchmarks/kv_speed.py                   # 3 rounds, prompt 8000 tokens, 64 new tokens, 2 threads
+    python benchmarks/kv_speed.py          # 3 rounds, prompt 8000 tokens, 64 new tokens, 1 and 2 threads
 
-Each round: prefill the 8000-token prompt, then 64 greedy decode steps; medians over rounds, ratios vs genai
-fp32. Peak RSS per runtime in its own fresh process. The compressed bundles use the default
-``--prefill-compress end`` (the prompt is read whole, then 1024 slots per head are kept) and snapkv.
-onnxruntime-genai pre-allocates its cache for max_length (prompt + 72 here) and attends over all of it.
+Each round, for each thread count and runtime: prefill the 8000-token prompt, then 64 greedy decode steps.
+Ratios are medians of per-round ratios (each pair ran in the same round): decode against onnxruntime-genai int4
+and fp32, prefill of the compressed bundle against edgec int4's plain prefill and genai fp32's. Every runtime
+runs with its defaults (edgec: the runtime's own spinning choice, no EDGEC_ORT_SPIN). Peak RSS per runtime in its
+own fresh process. The compressed bundle uses the default ``--prefill-compress end`` (the prompt is read whole,
+then 1024 slots per head are kept) and snapkv. onnxruntime-genai pre-allocates its cache for max_length
+(prompt + 72 here) and attends over all of it.
 Results: benchmarks/out/kv_speed.json / kv_speed.png; the printed table goes into docs/BENCHMARKS.md.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -28,17 +33,20 @@ import models  # noqa: E402
 
 OUT = models.OUT
 CONTEXT = 8192
+COMPRESSED, PLAIN_INT4 = "edgec int4, 1024 int8 slots", "edgec int4, full fp32 cache"
 BUNDLES = {  # runner name → (bundle folder, extra edgec build options)
     "edgec fp32, full fp32 cache": ("kv/smollm2-plain.edgec", []),
-    "edgec int4, 1024 int8 slots": (
+    PLAIN_INT4: ("kv/smollm2-plain-int4.edgec", ["--weights", "int4"]),
+    COMPRESSED: (
         "kv/smollm2-speed-int4-int8.edgec",
         ["--weights", "int4", "--kv-capacity", "1024", "--kv-dtype", "int8"],
     ),
 }
-GENAI = {"onnxruntime-genai fp32": "genai-fp32", "onnxruntime-genai int4": "genai-int4"}
+GENAI_FP32, GENAI_INT4 = "onnxruntime-genai fp32", "onnxruntime-genai int4"
+GENAI = {GENAI_FP32: "genai-fp32", GENAI_INT4: "genai-int4"}
 
 
-def prepare(threads: int) -> None:
+def prepare() -> None:
     for folder, options in BUNDLES.values():
         path = OUT / folder
         if not (path / "manifest.json").exists():
@@ -49,9 +57,16 @@ def prepare(threads: int) -> None:
         if not config_path.exists():
             sys.exit(f"{config_path} is missing: run benchmarks/decode.py (and --precision int4) once first")
         config = json.loads(config_path.read_text())
-        config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
         config["model"]["context_length"] = max(config["model"]["context_length"], CONTEXT)
         config_path.write_text(json.dumps(config, indent=4))
+
+
+def set_genai_threads(folder: Path, threads: int) -> None:
+    """onnxruntime-genai reads its thread count from the config when a model is created."""
+    config_path = folder / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+    config_path.write_text(json.dumps(config, indent=4))
 
 
 class EdgecRunner:
@@ -70,6 +85,7 @@ class GenaiRunner:
         import onnxruntime_genai as og
 
         self.name, self.og = name, og
+        set_genai_threads(OUT / GENAI[name], threads)
         self.model = og.Model(str(OUT / GENAI[name]))
 
     def run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
@@ -102,64 +118,83 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=8000)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated (all in one run)")
+    parser.add_argument("--rss", help="runtimes whose peak RSS to measure, separated by ; (default: all)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    thread_counts = [int(t) for t in str(args.threads).split(",")]
     if args.worker:  # memory phase: one runtime, fresh process, print peak RSS in GB
-        measured = runner(args.worker, args.threads)
+        measured = runner(args.worker, thread_counts[0])
         measured.run(prompt_ids(args.prompt), args.new_tokens)
         print(measure.peak_rss_gb())
         return
-    prepare(args.threads)
+    prepare()
     ids = prompt_ids(args.prompt)
     names = [*BUNDLES, *GENAI]
-    runners = [runner(name, args.threads) for name in names]
-    for measured in runners:  # warm-up
+    runners = {(threads, name): runner(name, threads) for threads in thread_counts for name in names}
+    for measured in runners.values():  # warm-up
         measured.run(ids[:256], 4)
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    samples: dict[tuple[int, str], list[tuple[float, float]]] = {key: [] for key in runners}
     for round_index in range(args.rounds):
-        for measured in runners:
-            samples[measured.name].append(measured.run(ids, args.new_tokens))
-            print(f"round {round_index}: {measured.name} {samples[measured.name][-1]}", flush=True)
+        for (threads, name), measured in runners.items():
+            samples[threads, name].append(measured.run(ids, args.new_tokens))
+            print(f"round {round_index}, {threads} thread(s): {name} {samples[threads, name][-1]}", flush=True)
     del runners
     rss = {}
-    for name in names:
-        done = subprocess.run(
-            [sys.executable, __file__, "--worker", name, "--threads", str(args.threads), "--prompt", str(args.prompt)],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+    for name in args.rss.split(";") if args.rss else names:
+        command = [sys.executable, __file__, "--worker", name, "--threads", str(thread_counts[-1])]
+        done = subprocess.run([*command, "--prompt", str(args.prompt)], capture_output=True, text=True, check=True)
         rss[name] = float(done.stdout.strip().splitlines()[-1])
+
+    def paired(threads: int, name: str, against: str, index: int) -> float:
+        """Median over rounds of this round's ratio (index 0: prefill seconds, 1: decode tok/s)."""
+        pairs = zip(samples[threads, name], samples[threads, against], strict=True)
+        return float(np.median([a[index] / b[index] for a, b in pairs]))
+
     results = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores",
-        "threads": args.threads,
+        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
+        "threads": thread_counts,
         "prompt": args.prompt,
         "rows": {
-            name: {
+            f"{name}, {threads} thread{'s' if threads > 1 else ''}": {
+                "name": name,
+                "threads": threads,
                 "prefill_s": float(np.median([p for p, _ in runs])),
+                "prefill_s_all": [round(p, 2) for p, _ in runs],
                 "decode_tok_s": float(np.median([d for _, d in runs])),
                 "decode_tok_s_all": [round(d, 1) for _, d in runs],
-                "peak_rss_gb": round(rss[name], 2),
+                "decode_vs_genai_int4": paired(threads, name, GENAI_INT4, 1),
+                "decode_vs_genai_fp32": paired(threads, name, GENAI_FP32, 1),
+                "prefill_vs_edgec_int4_plain": paired(threads, name, PLAIN_INT4, 0),
+                "prefill_vs_genai_fp32": paired(threads, name, GENAI_FP32, 0),
+                "peak_rss_gb": round(rss[name], 2) if name in rss else None,
                 "kv_bytes": kv_bytes(name, args.prompt, args.new_tokens),
             }
-            for name, runs in samples.items()
+            for (threads, name), runs in samples.items()
         },
     }
     (OUT / "kv_speed.json").write_text(json.dumps(results, indent=2))
-    reference = results["rows"]["onnxruntime-genai fp32"]["decode_tok_s"]
     fp16 = 23_040 * (args.prompt + args.new_tokens)
-    print(f"| runtime, prompt {args.prompt} | decode tok/s | vs genai fp32 | prefill | peak RSS | KV bytes (vs fp16) |")
-    print("|---|---|---|---|---|---|")
-    for name, row in results["rows"].items():
+    print(
+        f"| runtime, prompt {args.prompt} | threads | decode tok/s | vs genai int4 | vs genai fp32 | prefill | "
+        "prefill vs edgec int4 plain | prefill vs genai fp32 | peak RSS | KV bytes (vs fp16) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in results["rows"].values():
         print(
-            f"| {name} | {row['decode_tok_s']:.1f} | {row['decode_tok_s'] / reference:.2f}× | "
-            f"{row['prefill_s']:.1f} s | {row['peak_rss_gb']:.2f} GB | {row['kv_bytes'] / 2**20:.1f} MiB "
+            f"| {row['name']} | {row['threads']} | {row['decode_tok_s']:.1f} | {row['decode_vs_genai_int4']:.2f}× | "
+            f"{row['decode_vs_genai_fp32']:.2f}× | {row['prefill_s']:.1f} s | "
+            f"{row['prefill_vs_edgec_int4_plain']:.2f}× | "
+            f"{row['prefill_vs_genai_fp32']:.2f}× | {_gb(row['peak_rss_gb'])} | {row['kv_bytes'] / 2**20:.1f} MiB "
             f"({fp16 / row['kv_bytes']:.1f}× smaller) |"
         )
     plot(results, OUT / "kv_speed.png")
+
+
+def _gb(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.2f} GB"
 
 
 def plot(results: dict, path: Path) -> None:
@@ -169,15 +204,19 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = results["rows"]
-    names = list(rows)
-    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    axes[0].barh(names, [rows[n]["decode_tok_s"] for n in names], color=[f"C{i}" for i in range(len(names))])
+    labels = list(rows)
+    colors = [f"C{list(dict.fromkeys(r['name'] for r in rows.values())).index(rows[n]['name'])}" for n in labels]
+    figure, axes = plt.subplots(1, 3, figsize=(16, 5))
+    axes[0].barh(labels, [rows[n]["decode_tok_s"] for n in labels], color=colors)
     axes[0].set_xlabel(f"decode tokens/s after a {results['prompt']}-token prompt (higher is better)")
-    axes[1].barh(names, [rows[n]["kv_bytes"] / 2**20 for n in names], color=[f"C{i}" for i in range(len(names))])
-    axes[1].set_xscale("log")
-    axes[1].set_xlabel("KV cache MiB (log, lower is better)")
+    axes[1].barh(labels, [rows[n]["prefill_s"] for n in labels], color=colors)
+    axes[1].set_xlabel("time to first token, s (lower is better)")
     axes[1].set_yticks([])
-    figure.suptitle(f"SmolLM2-135M, {results['threads']} threads, {results['machine']}, {results['date']}")
+    axes[2].barh(labels, [rows[n]["kv_bytes"] / 2**20 for n in labels], color=colors)
+    axes[2].set_xscale("log")
+    axes[2].set_xlabel("KV cache MiB (log, lower is better)")
+    axes[2].set_yticks([])
+    figure.suptitle(f"SmolLM2-135M, {results['machine']}, {results['date']}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 

@@ -270,6 +270,10 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
     del model
     if target.static_shapes:
         model_files |= _write_static_graphs(folder, prefill_chunk)
+    elif target.abilities.engine != "tensorrt-rtx":  # ONNX Runtime: prompt chunks at fp32 activations
+        from edgec.prefill_graph import write_prefill_graph
+
+        model_files |= write_prefill_graph(folder)
     loaded.tokenizer.save_pretrained(folder)
     chat_format, chat_note = chat_format_from_tokenizer(loaded.tokenizer)
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")

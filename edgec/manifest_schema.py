@@ -73,6 +73,7 @@ SCHEMA_V1: dict[str, Any] = {
         "context": int,
         "decode_file?": str,
         "static_tokens?": int,
+        "prefill_file?": str,  # multi-token steps' graph over the same weights (edgec/prefill_graph.py)
     },
     "cache": {
         "dtype": str,
@@ -177,6 +178,7 @@ CHOICES: dict[str, tuple[str, ...] | re.Pattern[str]] = {
 PATH_FIELDS = (
     "model.file",
     "model.decode_file",
+    "model.prefill_file",
     "tokenizer.file",
     "runtime.engine",
     "runtime.plugin.module",

@@ -71,7 +71,7 @@ def graph_problems(folder: Path, manifest: dict[str, Any]) -> list[str]:
     ``manifest_errors`` and the file checks (its paths are listed regular files inside ``folder``)."""
     problems = []
     files = manifest["files"]
-    for key in ("file", "decode_file"):
+    for key in ("file", "decode_file", "prefill_file"):
         name = manifest["model"].get(key)
         if name is None:
             continue

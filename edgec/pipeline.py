@@ -53,7 +53,11 @@ PIPELINE: tuple[Row, ...] = (
         "kv_cache",
         lambda c: c.kv is not None,
         "first: it needs every global layer still a KVAttention node",
-        lambda c: {"compression": c.kv, "data_dependent_shapes": c.target.abilities.data_dependent_shapes},
+        lambda c: {
+            "compression": c.kv,
+            "data_dependent_shapes": c.target.abilities.data_dependent_shapes,
+            "fused_attention": c.target.abilities.attention == "gqa",  # ONNX Runtime's fused kernel for prompts
+        },
     ),
     Row(
         "kv_plugin",

@@ -22,10 +22,15 @@ SLOTS = SLOT_DIM
 
 
 def kv_cache(
-    model: ir.Model, spec: CacheSpec, compression: Compression, data_dependent_shapes: bool = True
+    model: ir.Model,
+    spec: CacheSpec,
+    compression: Compression,
+    data_dependent_shapes: bool = True,
+    fused_attention: bool = False,
 ) -> tuple[int, CacheSpec]:
     """Rewrite in place; returns how many layers now hold a compressed cache, and the new spec.
-    ``data_dependent_shapes=False``: the op's body for compilers that need every shape from the input shapes
+    ``data_dependent_shapes=False``: the op's body for compilers that need every shape from the input shapes;
+    ``fused_attention``: prompt chunks attend with ONNX Runtime's GroupQueryAttention where the policy allows
     (``compressed_function.make_function``)."""
     graph = model.graph
     inputs = {value.name: value for value in graph.inputs}
@@ -44,10 +49,14 @@ def kv_cache(
         if layer.layer in nodes:
             _compress(graph, nodes[layer.layer], layer, protect, compression)
     opset = model.opset_imports.get("", 23)
-    function_proto = compressed_function.make_function(compression, opset, heads, data_dependent_shapes)
+    function_proto = compressed_function.make_function(
+        compression, opset, heads, data_dependent_shapes, fused_attention and data_dependent_shapes
+    )
     ir_function = ir.serde.deserialize_function(function_proto)
     model.functions[ir_function.identifier()] = ir_function
     model.opset_imports[compressed_function.DOMAIN] = compressed_function.OPSET_VERSION
+    if fused_attention and data_dependent_shapes:
+        model.opset_imports.setdefault("com.microsoft", 1)
     if not any(node.op_type == function.OP_TYPE for node in graph):
         model.functions.pop((function.DOMAIN, function.OP_TYPE, ""), None)
     return len(nodes), new_spec

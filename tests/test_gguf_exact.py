@@ -94,10 +94,52 @@ def test_split_activations_keep_the_fp32_bundle_s_logits(built):
     assert sum(node.op_type == "Concat" for node in graph.node) >= len(products)  # every product's two rows
     ids = np.random.default_rng(5).integers(0, 384, 60).tolist()
     reference = Model.load(built["fp32"]).logprobs(ids)
-    split = np.abs(Model.load(built["int4"]).logprobs(ids) - reference).max()
-    one_row = np.abs(Model.load(built["int4-one-row"]).logprobs(ids) - reference).max()
+
+    def decoded(bundle: Path) -> np.ndarray:  # one token per step: the decode graph, where the split runs
+        logits = np.concatenate([piece for _, piece in Model.load(bundle).iter_logits(ids, prompt_tokens=1)])
+        shifted = logits[:-1] - logits[:-1].max(-1, keepdims=True)
+        log_softmax = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        return log_softmax[np.arange(len(ids) - 1), ids[1:]]
+
+    split = np.abs(decoded(built["int4"]) - reference).max()
+    one_row = np.abs(decoded(built["int4-one-row"]) - reference).max()
     print(f"max |Δ logprob| vs fp32: split {split:.2e}, one row {one_row:.2e}")
     assert split < 1e-2 and split * 20 < one_row, (split, one_row)
+
+
+def test_prompt_chunks_run_the_split_products_at_fp32_activations(built):
+    """A split bundle carries prefill.onnx over the same weights file: every split product fed x itself at
+    accuracy level 1 — the exact product the split approximates — so a prompt's logits are the level-1 bundle's.
+    Bundles without split products carry no second graph."""
+    import onnx
+
+    from edgec.runtime import Model
+
+    manifests = {name: json.loads((built[name] / "manifest.json").read_text()) for name in built}
+    assert manifests["int4"]["model"]["prefill_file"] == "prefill.onnx"
+    assert "prefill.onnx" in manifests["int4"]["files"]
+    assert all("prefill_file" not in manifests[name]["model"] for name in ("fp32", "int4-l1", "int4-one-row"))
+    graph = onnx.load(str(built["int4"] / "prefill.onnx"), load_external_data=False).graph
+    levels = [
+        dict((a.name, a.i) for a in n.attribute)["accuracy_level"] for n in graph.node if n.op_type == "MatMulNBits"
+    ]
+    assert levels and set(levels) == {1}
+    assert not any(node.op_type == "Round" for node in graph.node)  # no split rows left
+    assert {t.name for t in graph.initializer} <= {
+        t.name for t in onnx.load(str(built["int4"] / "model.onnx"), load_external_data=False).graph.initializer
+    }
+    assert not any(
+        entry.value != "model.onnx.data"
+        for t in graph.initializer
+        for entry in t.external_data
+        if entry.key == "location"
+    )
+    ids = np.random.default_rng(6).integers(0, 384, 70).tolist()
+    split, exact = Model.load(built["int4"], check_hashes=True), Model.load(built["int4-l1"])
+    assert np.abs(split.logprobs(ids) - exact.logprobs(ids)).max() < 1e-4
+    # a one-token step still runs the split graph: near level 1, not equal to it
+    steps = [list(m.iter_logits(ids, prompt_tokens=len(ids) - 1))[-1][1] for m in (split, exact)]
+    assert 0 < np.abs(steps[0] - steps[1]).max() < 1e-2
 
 
 def _stored_bytes(bundle: Path) -> dict[str, int]:

@@ -12,7 +12,7 @@ scatter writes distinct slots. tests/kvcache/test_compressed.py runs every dtype
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import onnx
 from onnx import AttributeProto, TensorProto, helper
@@ -20,6 +20,7 @@ from onnx import AttributeProto, TensorProto, helper
 from edgec.kvcache import policies
 from edgec.kvcache.compression import Compression
 from edgec.kvcache.onnx_body import Body
+from edgec.kvcache.policies.base import prompt_needs
 from edgec.kvcache.quantize import QMAX
 from edgec.kvcache.spec import compressed_state
 
@@ -168,7 +169,11 @@ def _encode_e4m3(b: Body, y: str) -> str:
 
 # --- the body ------------------------------------------------------------------------------------------------
 def make_function(
-    compression: Compression, default_opset: int, heads: Heads, data_dependent_shapes: bool = True
+    compression: Compression,
+    default_opset: int,
+    heads: Heads,
+    data_dependent_shapes: bool = True,
+    fused_attention: bool = False,
 ) -> onnx.FunctionProto:
     """The function body for one compression setting and head layout; ``default_opset`` must equal the model's.
 
@@ -180,6 +185,10 @@ def make_function(
     ``data_dependent_shapes=False`` (compilers that must know every shape from input shapes alone: TensorRT-RTX)
     gives the general branch alone, attending over every slot (empty ones masked) instead of the filled prefix:
     no ``If`` and no tensor whose shape depends on the cache's contents. The same meaning, more work per step.
+
+    ``fused_attention`` (ONNX Runtime: ``com.microsoft`` ops): prompt chunks attend with GroupQueryAttention and
+    are scored from their last queries where the policy allows (``_general``): a chunk costs what a plain
+    cache's does, and its score matrix is never materialized.
     """
     b = Body()
     scale_attr = b.attribute_ref("value_float", "scale", AttributeProto.FLOAT)
@@ -196,7 +205,8 @@ def make_function(
         if kind == "decode":
             results = _decode(branch, compression, scale_attr, window_attr, heads)
         else:
-            results = _general(branch, compression, scale_attr, window_attr)
+            fused = heads if fused_attention else None
+            results = _general(branch, compression, scale_attr, window_attr, fused=fused)
         graph_outputs = []
         for name in outputs(compression):
             value = branch.op("Identity", results[name], name=f"{name}_result")
@@ -211,17 +221,18 @@ def make_function(
             else_branch=branches["general"],
         )
     )
-    return _function(b, compression, default_opset)
+    return _function(b, compression, default_opset, fused_attention)
 
 
-def _function(b: Body, compression: Compression, default_opset: int) -> onnx.FunctionProto:
+def _function(b: Body, compression: Compression, default_opset: int, fused: bool = False) -> onnx.FunctionProto:
+    opsets = [helper.make_opsetid("", default_opset)] + ([helper.make_opsetid("com.microsoft", 1)] if fused else [])
     return helper.make_function(
         DOMAIN,
         OP_TYPE,
         list(inputs(compression)),
         list(outputs(compression)),
         b.nodes,
-        opset_imports=[helper.make_opsetid("", default_opset)],
+        opset_imports=opsets,
         attributes=["scale"],
         attribute_protos=[helper.make_attribute("window", 0)],
     )
@@ -264,9 +275,19 @@ def _active(b: Body, filled: str, capacity: str) -> str:
 
 
 def _general(
-    b: Body, compression: Compression, scale_attr: str, window_attr: str, every_slot: bool = False
+    b: Body,
+    compression: Compression,
+    scale_attr: str,
+    window_attr: str,
+    every_slot: bool = False,
+    fused: Heads | None = None,
 ) -> dict[str, str]:
-    """Any number of new tokens: attention with causal masks, pairing, index-ordered writes."""
+    """Any number of new tokens: attention with causal masks, pairing, index-ordered writes.
+
+    ``fused`` (the head layout; ONNX Runtime targets): where the policy judges a chunk by its last queries only
+    (``prompt_needs`` without ``total``), the output comes from ``com.microsoft::GroupQueryAttention`` whenever
+    the call simply extends the slots (``_extends``), and the scores from the last ``observe`` query rows: the
+    call's full score matrix [G·T, slots + T] is never built. Otherwise every query's probabilities are."""
     policy = policies.get(compression.policy)
     capacity = b.shape("pos", 2)
     new = b.shape("k", 2)  # T
@@ -279,44 +300,36 @@ def _general(
 
     # 1. attention over the slots and the new tokens; queries grouped per KV head: [B,Hkv,G·T,D]
     rows_shape = b.op("Concat", b.i64([0]), kv_heads, b.i64([-1]), head_dim, axis=0)
-    queries = b.op("Reshape", "q", rows_shape)
-    transpose = {"perm": [0, 1, 3, 2]}
-    scores_old = b.op("MatMul", queries, b.op("Transpose", old_k, **transpose))
-    scores_new = b.op("MatMul", queries, b.op("Transpose", "k", **transpose))
-    scores = b.op("Mul", b.op("Concat", scores_old, scores_new, axis=-1), scale_attr)
     bht = b.op("Concat", b.op("Shape", "k", end=2), new, axis=0)
     new_pos = b.op("Expand", b.op("Unsqueeze", "position_ids", b.i64([1])), bht)  # [B,Hkv,T]
     key_pos = b.op("Concat", "pos", new_pos, axis=2)  # [B,Hkv,C+T]: every candidate
     attended_pos = b.op("Concat", active_slots("pos"), new_pos, axis=2)  # [B,Hkv,active+T]
     group_size = b.op("Div", heads, kv_heads)
-    query_grid = b.op("Concat", b.op("Shape", "position_ids", end=1), b.i64([1]), group_size, new, axis=0)
-    query_pos = b.op(
-        "Reshape",
-        b.op("Expand", b.op("Unsqueeze", "position_ids", b.i64([1, 2])), query_grid),
-        b.i64([0, 1, -1, 1]),
-    )  # [B,1,G·T,1], row g·T + t holds position t
-    keys = b.op("Unsqueeze", attended_pos, b.i64([2]))  # [B,Hkv,1,active+T]
-    has_window = b.op("Greater", window_attr, b.i64(0))
-    span = b.op("Where", has_window, window_attr, b.i64(HUGE))
-    lowest = b.op("Max", b.op("Sub", query_pos, b.op("Sub", span, b.i64(1))), b.i64(0))
-    valid = b.op("And", b.op("GreaterOrEqual", keys, lowest), b.op("LessOrEqual", keys, query_pos))
-    masked = b.op("Where", valid, scores, b.f32(float("-inf")))
-    probs = b.op("Softmax", masked, axis=-1)
-    probs_old = b.op("Slice", probs, b.i64([0]), active, b.i64([-1]))
-    probs_new = b.op("Slice", probs, active, b.i64([HUGE]), b.i64([-1]))
-    context = b.op("Add", b.op("MatMul", probs_old, old_v), b.op("MatMul", probs_new, "v"))  # [B,Hkv,G·T,D]
-    out = b.op("Transpose", b.op("Reshape", context, b.op("Shape", "q")), perm=[0, 2, 1, 3])
+    attend = _Attend(old_k, old_v, attended_pos, rows_shape, group_size, scale_attr, window_attr)
+    needs = prompt_needs(policy) if fused is not None and not every_slot else policy.needs
+    if fused is None or every_slot or "total" in needs:  # every query's probabilities: the output comes with them
+        probs = attend.probs(b, "q", "position_ids", new)
+        out = attend.output(b, probs, active)
+        judged, judged_rows = probs, new
+    else:
+        out = _fused_output(b, attend, filled, active, new, window_attr, fused, compression.dtype == "fp32")
+        # the policy reads the last `observe` queries only: their rows alone
+        judged_q = b.op("Slice", "q", b.i64([-compression.observe]), b.i64([HUGE]), b.i64([2]))
+        judged_pos = b.op("Slice", "position_ids", b.i64([-compression.observe]), b.i64([HUGE]), b.i64([1]))
+        judged_rows = b.shape(judged_pos, 1)
+        judged = attend.probs(b, judged_q, judged_pos, judged_rows) if needs else None
 
     # 2. what this call's attention says about each candidate, then the policy's scores
     stats = {}
-    if policy.needs:
-        per_query = b.op("Reshape", probs, b.op("Concat", b.i64([0]), kv_heads, group_size, new, b.i64([-1]), axis=0))
-    if "total" in policy.needs:
+    if needs:
+        shape = b.op("Concat", b.i64([0]), kv_heads, group_size, judged_rows, b.i64([-1]), axis=0)
+        per_query = b.op("Reshape", judged, shape)
+    if "total" in needs:
         stats["total"] = b.op("ReduceSum", per_query, b.i64([2, 3]), keepdims=0)
-    if "observed" in policy.needs:
+    if "observed" in needs:
         observed = b.op("Slice", per_query, b.i64([-compression.observe]), b.i64([HUGE]), b.i64([3]))
         stats["observed"] = b.op("ReduceSum", observed, b.i64([2, 3]), keepdims=0)
-    if "last" in policy.needs:
+    if "last" in needs:
         last = b.op("Slice", per_query, b.i64([-1]), b.i64([HUGE]), b.i64([3]))
         stats["last"] = b.op("ReduceMean", last, b.i64([2, 3]), keepdims=0)
     # back to one entry per candidate: the slots past `active` received nothing
@@ -352,21 +365,131 @@ def _general(
     current = {name: name for name in state_names(compression)} | {
         "score": b.op("Slice", score_all, b.i64([0]), capacity, b.i64([-1]))
     }
-    # v and v_scale are read by the attention output only, which nothing below depends on: make their slot
-    # indices wait for it, or the in-place scatter may overwrite slots before they are read (Max with a
-    # non-positive number that the output determines leaves the indices as they are)
-    not_before_out = b.op(
-        "Neg", b.op("Cast", b.op("IsNaN", b.op("ReduceMax", context, keepdims=0)), to=TensorProto.INT64)
-    )
+    # v and v_scale are read by the attention output only, which nothing below depends on (nor k, for a policy
+    # that reads no attention or only some query rows): make their slot indices wait for it, or the in-place
+    # scatter may overwrite slots before they are read (Max with a non-positive number that the output
+    # determines leaves the indices as they are)
+    not_before_out = b.op("Neg", b.op("Cast", b.op("IsNaN", b.op("ReduceMax", out, keepdims=0)), to=TensorProto.INT64))
     weakest_after_out = b.op("Max", weakest, not_before_out)
     written = {}
     for name in state_names(compression):
         trailing = name not in ("score", "pos")
-        slots = weakest_after_out if name in ("v_cache", "v_scale") else weakest
+        # k too: a policy that reads no attention (streaming), or only some query rows, does not order it
+        slots = weakest_after_out if trailing else weakest
         written[name] = _write(b, current[name], arriving[name], slots, strongest, replace, trailing)
     if policy.prunes:
         written["pos"] = _prune(b, policy, written, weakest, replace, newest, compression)
     return {"out": out} | {f"{name}_out": value for name, value in written.items()}
+
+
+@dataclass(frozen=True)
+class _Attend:
+    """The general call's attention over [active slots; new tokens], for any set of query rows."""
+
+    old_k: str  # [B,Hkv,active,D] float
+    old_v: str
+    key_pos: str  # [B,Hkv,active+T]
+    rows_shape: str  # [0, Hkv, -1, D]
+    group_size: str  # [1]: query heads per KV head
+    scale: str
+    window: str
+
+    def probs(self, b: Body, q: str, positions: str, rows: str) -> str:
+        """Probabilities [B,Hkv,G·n,active+T] of queries q [B,H,n,D] at positions [B,n] (n = ``rows``), masked
+        as the reference masks them: empty slots, future positions, outside a sliding window."""
+        queries = b.op("Reshape", q, self.rows_shape)
+        transpose = {"perm": [0, 1, 3, 2]}
+        scores_old = b.op("MatMul", queries, b.op("Transpose", self.old_k, **transpose))
+        scores_new = b.op("MatMul", queries, b.op("Transpose", "k", **transpose))
+        scores = b.op("Mul", b.op("Concat", scores_old, scores_new, axis=-1), self.scale)
+        query_grid = b.op("Concat", b.op("Shape", positions, end=1), b.i64([1]), self.group_size, rows, axis=0)
+        query_pos = b.op(
+            "Reshape",
+            b.op("Expand", b.op("Unsqueeze", positions, b.i64([1, 2])), query_grid),
+            b.i64([0, 1, -1, 1]),
+        )  # [B,1,G·n,1], row g·n + t holds position t
+        keys = b.op("Unsqueeze", self.key_pos, b.i64([2]))  # [B,Hkv,1,active+T]
+        has_window = b.op("Greater", self.window, b.i64(0))
+        span = b.op("Where", has_window, self.window, b.i64(HUGE))
+        lowest = b.op("Max", b.op("Sub", query_pos, b.op("Sub", span, b.i64(1))), b.i64(0))
+        valid = b.op("And", b.op("GreaterOrEqual", keys, lowest), b.op("LessOrEqual", keys, query_pos))
+        return b.op("Softmax", b.op("Where", valid, scores, b.f32(float("-inf"))), axis=-1)
+
+    def slicing(self, b: Body, active: str) -> _Attend:
+        """The same, with fp32 slots sliced from the state inside ``b`` (an If branch)."""
+        old_k, old_v = (b.op("Slice", name, b.i64([0]), active, b.i64([2])) for name in ("k_cache", "v_cache"))
+        return replace(self, old_k=old_k, old_v=old_v)
+
+    def output(self, b: Body, probs: str, active: str) -> str:
+        """The attention output [B,T,H,D] from every query's probabilities."""
+        probs_old = b.op("Slice", probs, b.i64([0]), active, b.i64([-1]))
+        probs_new = b.op("Slice", probs, active, b.i64([HUGE]), b.i64([-1]))
+        context = b.op("Add", b.op("MatMul", probs_old, self.old_v), b.op("MatMul", probs_new, "v"))  # [B,Hkv,G·T,D]
+        return b.op("Transpose", b.op("Reshape", context, b.op("Shape", "q")), perm=[0, 2, 1, 3])
+
+
+def _extends(b: Body, filled: str, active: str, window_attr: str) -> str:
+    """True when the call only extends the slots: slots [0, active) all filled on every head, every new position
+    after every cached one and increasing, no sliding window. Then each query sees every slot and the new
+    tokens up to itself — GroupQueryAttention's causal mask over a past of ``active`` keys."""
+    per_head = b.op("ReduceSum", b.op("Cast", filled, to=TensorProto.INT64), b.i64([-1]), keepdims=0)
+    no_holes = b.op("Equal", b.op("ReduceMin", per_head, keepdims=0), b.op("Squeeze", active))
+    after = b.op("Less", b.op("ReduceMax", "pos", keepdims=0), b.op("ReduceMin", "position_ids", keepdims=0))
+    steps = b.op(
+        "Sub",
+        b.op("Slice", "position_ids", b.i64([1]), b.i64([HUGE]), b.i64([1])),
+        b.op("Slice", "position_ids", b.i64([0]), b.i64([-1]), b.i64([1])),
+    )  # T > 1 in the general branch: never empty
+    increasing = b.op("Greater", b.op("ReduceMin", steps, keepdims=0), b.i64(0))
+    no_window = b.op("Not", b.op("Greater", window_attr, b.i64(0)))
+    return b.op("And", b.op("And", no_holes, after), b.op("And", increasing, no_window))
+
+
+def _fused_output(
+    b: Body, attend: _Attend, filled: str, active: str, new: str, window_attr: str, heads: Heads, float_slots: bool
+) -> str:
+    """The attention output [B,T,H,D]: GroupQueryAttention over a past of the active slots when the call extends
+    them (no score matrix is materialized; ONNX Runtime's kernel), else every query's probabilities.
+    ``float_slots`` (fp32 storage): the branch slices the state itself (ONNX Runtime's optimizer warns when it
+    cannot rename a Slice it reads from the outer scope)."""
+    fast, full = Body(prefix=f"{b.prefix}gqa_"), Body(prefix=f"{b.prefix}full_")
+    if float_slots:
+        attend_fast, attend_full = (attend.slicing(branch, active) for branch in (fast, full))
+    else:
+        attend_fast = attend_full = attend
+    query = fast.op("Reshape", fast.op("Transpose", "q", perm=[0, 2, 1, 3]), fast.i64([0, 0, heads.query * heads.dim]))
+    kv_width = fast.i64([0, 0, heads.kv * heads.dim])
+    key = fast.op("Reshape", fast.op("Transpose", "k", perm=[0, 2, 1, 3]), kv_width)
+    value = fast.op("Reshape", fast.op("Transpose", "v", perm=[0, 2, 1, 3]), kv_width)
+    total = fast.op("Add", active, new)  # [1]
+    batch = fast.op("Shape", "position_ids", end=1)
+    seqlens = fast.op("Cast", fast.op("Expand", fast.op("Sub", total, fast.i64([1])), batch), to=TensorProto.INT32)
+    total_length = fast.op("Cast", fast.op("Squeeze", total), to=TensorProto.INT32)
+    fused = [fast.fresh("gqa_out"), fast.fresh("gqa_present_k"), fast.fresh("gqa_present_v")]
+    node = helper.make_node(
+        "GroupQueryAttention",
+        [query, key, value, attend_fast.old_k, attend_fast.old_v, seqlens, total_length],
+        fused,
+        domain="com.microsoft",
+        num_heads=heads.query,
+        kv_num_heads=heads.kv,
+    )
+    scale = helper.make_attribute_ref("scale", AttributeProto.FLOAT)
+    scale.ref_attr_name = "scale"
+    node.attribute.append(scale)
+    fast.nodes.append(node)
+    fast_out = fast.op("Reshape", fused[0], fast.i64([0, 0, heads.query, heads.dim]))
+    full_out = attend_full.output(full, attend_full.probs(full, "q", "position_ids", new), active)
+    branches = {}
+    for kind, body, result in (("fast", fast, fast_out), ("full", full, full_out)):
+        value = body.op("Identity", result, name="out_result")
+        output = helper.make_tensor_value_info(value, TensorProto.FLOAT, None)
+        branches[kind] = helper.make_graph(body.nodes, f"{kind}_attention", [], [output])
+    out = b.fresh("attention_out")
+    condition = _extends(b, filled, active, window_attr)
+    fast_branch, full_branch = branches["fast"], branches["full"]
+    b.nodes.append(helper.make_node("If", [condition], [out], then_branch=fast_branch, else_branch=full_branch))
+    return out
 
 
 def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str, heads: Heads) -> dict[str, str]:

@@ -61,14 +61,46 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
-    # ONNX Runtime's pool threads spin between nodes (its default, kept): on a dedicated machine that is what
-    # makes 2 threads pay (int4 decode 0.97x genai spinning vs 0.66x not). On a machine that runs anything
-    # else a spinning pool waits on a descheduled thread at every one of a step's ~1,000 small nodes:
-    # EDGEC_ORT_SPIN=0 made decode 2x faster there (docs/BENCHMARKS.md, "threads")
-    options.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("EDGEC_ORT_SPIN", "1"))
+    spin = allow_spinning(threads)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     if threads:
         options.intra_op_num_threads = threads
     return options
+
+
+def allow_spinning(threads: int | None, load: float | None = None, cpus: int | None = None) -> bool:
+    """Whether ONNX Runtime's pool threads should spin between nodes, chosen from what the machine is doing when
+    the bundle loads. Spinning pays only where every pool thread has a core to itself: on an idle machine it is
+    what makes 2 threads pay (int4 decode 0.97× onnxruntime-genai spinning, 0.66× not), while on a machine running
+    other work a spinning pool waits on a descheduled thread at every one of a step's ~1,000 small nodes (2×
+    slower there; docs/BENCHMARKS.md, "threads"). So: spin iff the other work running now (``busy_elsewhere``)
+    plus the pool's threads fit the cores this process may use. ``EDGEC_ORT_SPIN=0|1`` still forces it."""
+    forced = os.environ.get("EDGEC_ORT_SPIN")
+    if forced in ("0", "1"):
+        return forced == "1"
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    pool = threads or cpus  # ONNX Runtime's default: one thread per core
+    if pool <= 1:
+        return False  # no pool threads to spin
+    load = busy_elsewhere() if load is None else load
+    return load + pool <= cpus + 0.5
+
+
+def busy_elsewhere(samples: int = 5, interval: float = 0.002) -> float:
+    """How many threads of other programs are running now: the kernel's count of runnable threads
+    (/proc/loadavg), less this one, averaged over ``samples`` looks (~0.01 s in all). Unlike the load
+    average it does not remember this program's own work of the last minutes. 0 where there is no /proc."""
+    import time
+
+    counts = []
+    for _ in range(samples):
+        try:
+            running = Path("/proc/loadavg").read_text().split()[3].split("/")[0]
+        except (OSError, IndexError):
+            return 0.0
+        counts.append(max(int(running) - 1, 0))
+        time.sleep(interval)
+    return sum(counts) / len(counts)
 
 
 class OrtGraph:
@@ -117,10 +149,12 @@ def _allocate(spec: CacheSpec, device: StateDevice, compressed_slots: int | None
 
 
 class OrtBackend:
-    """A dynamic-shape bundle: one session; each cache state binds its own buffers to it."""
+    """A dynamic-shape bundle: one session (two where the bundle has a prompt-chunk graph, ``prefill``: then
+    multi-token steps run on it); each cache state binds its own buffers to them."""
 
-    def __init__(self, graph: OrtGraph, vocab_size: int, max_tokens: int) -> None:
+    def __init__(self, graph: OrtGraph, vocab_size: int, max_tokens: int, prefill: OrtGraph | None = None) -> None:
         self.graph, self.spec, self.vocab_size, self.max_tokens = graph, graph.spec, vocab_size, max_tokens
+        self.prefill = prefill
 
     @property
     def providers(self) -> list[str]:
@@ -130,7 +164,7 @@ class OrtBackend:
         """A new state; ``kv_capacity``: a compressed cache's slot count for this state alone (the graph takes
         any), e.g. a smaller one for a served session when memory is short."""
         spec = self.spec.with_capacity(kv_capacity) if kv_capacity is not None else None
-        return OrtCacheState(self.graph, self.vocab_size, spec=spec)
+        return OrtCacheState(self.graph, self.vocab_size, spec=spec, prefill=self.prefill)
 
     def close(self) -> None:
         """Nothing to keep: ONNX Runtime frees the session with the last reference."""
@@ -145,9 +179,11 @@ class OrtCacheState:
         vocab_size: int,
         shared_state: list[StateEntry] | None = None,
         spec: CacheSpec | None = None,
+        prefill: OrtGraph | None = None,
     ) -> None:
         self.graph = graph
         self.session = graph.session
+        self._chunk_session = prefill.session if prefill is not None else graph.session  # multi-token steps
         self.spec = spec or graph.spec  # a compressed cache's slot count may differ per state (open_state)
         self.compression = self.spec.compression
         self._protected = self.spec.protected
@@ -165,8 +201,9 @@ class OrtCacheState:
             self._state, self._token, self._position, self._last, self._protect_one, self._logits
         )
 
-    def _binding(self, state, ids, positions, index, protect, logits) -> ort.IOBinding:
-        binding = self.session.io_binding()
+    def _binding(self, state, ids, positions, index, protect, logits, session=None) -> ort.IOBinding:
+        session = session or self.session
+        binding = session.io_binding()
         for tensor, value in state:
             binding.bind_ortvalue_input(tensor.input, value)
             binding.bind_ortvalue_output(tensor.output, value)
@@ -247,7 +284,8 @@ class OrtCacheState:
         ids = np.ascontiguousarray(ids, np.int64).reshape(1, count)
         positions = np.ascontiguousarray(positions, np.int64).reshape(1, count)
         index = np.ascontiguousarray(index, np.int64)
-        self.session.run_with_iobinding(self._binding(self._active, ids, positions, index, flags, logits))
+        session = self._chunk_session if count > 1 else self.session
+        session.run_with_iobinding(self._binding(self._active, ids, positions, index, flags, logits, session))
         return logits[0]
 
 
@@ -324,7 +362,10 @@ def open_backend(
     vocab = int(model["vocab_size"])
     first = OrtGraph(folder / model["file"], spec, providers, threads, provider_options, exact)
     if "decode_file" not in model:
-        return OrtBackend(first, vocab, prefill_chunk)
+        prefill = None
+        if "prefill_file" in model:
+            prefill = OrtGraph(folder / model["prefill_file"], spec, providers, threads, provider_options, exact)
+        return OrtBackend(first, vocab, prefill_chunk, prefill)
     decode = OrtGraph(folder / model["decode_file"], spec, providers, threads, provider_options, exact)
     return StaticOrtBackend(first, decode, vocab, int(model["static_tokens"]))
 

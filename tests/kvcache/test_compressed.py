@@ -22,7 +22,9 @@ SHAPES = [(4, 2, 16, 12), (6, 3, 32, 16), (2, 1, 64, 10)]  # heads, kv_heads, he
 STEPS = [(0, 7), (7, 1), (8, 1), (9, 5), (14, 1), (15, 1), (16, 8), (24, 1), (25, 1)]
 
 
-def compressed_model(heads, kv_heads, head_dim, capacity, compression: Compression, scale: float, window: int = 0):
+def compressed_model(
+    heads, kv_heads, head_dim, capacity, compression: Compression, scale: float, window: int = 0, fused: bool = False
+):
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
     storage = cf.STORAGE_TYPES[compression.dtype]
     stored_dim = head_dim // 2 if compression.dtype == "int4" else head_dim
@@ -56,8 +58,9 @@ def compressed_model(heads, kv_heads, head_dim, capacity, compression: Compressi
     graph = helper.make_graph([node], "compressed", inputs, outputs)
     return helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(cf.DOMAIN, 1)],
-        functions=[cf.make_function(compression, 23, cf.Heads(heads, kv_heads, head_dim))],
+        opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(cf.DOMAIN, 1)]
+        + ([helper.make_opsetid("com.microsoft", 1)] if fused else []),
+        functions=[cf.make_function(compression, 23, cf.Heads(heads, kv_heads, head_dim), fused_attention=fused)],
     )
 
 
@@ -65,12 +68,14 @@ def _state_feed(state: dict) -> dict:
     return {("k_cache" if n == "k" else "v_cache" if n == "v" else n): value for n, value in state.items()}
 
 
-def _run(sess, compression, heads, kv_heads, head_dim, capacity, steps, seed, window=0, protect_at=(), in_place=False):
+def _run(
+    sess, compression, heads, kv_heads, head_dim, capacity, steps, seed, window=0, protect_at=(), in_place=False, **kw
+):
     rng = np.random.default_rng(seed)
     state = reference.empty_compressed_state(kv_heads, capacity, head_dim, compression)
     mine = {name: value.copy() for name, value in _state_feed(state).items()}
     bound = {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in mine.items()} if in_place else None
-    scale = head_dim**-0.5
+    scale = kw.get("scale", head_dim**-0.5)
     for start, count in steps:
         q = rng.standard_normal((1, heads, count, head_dim)).astype(np.float32)
         # a few loud keys so that scored policies have something to find
@@ -186,3 +191,48 @@ def test_end_selection_pools_each_score_once():
     wide = reference.select_slots(state, compression, newest=39, capacity=12, pooled_from=25)["pos"].ravel()
     assert set(range(7, 14)) | {30, 39} <= set(wide.tolist())
     assert not {27, 28, 29, 31, 32, 33} & set(wide.tolist())  # pooled twice, 30 would have spread
+
+
+# --- prompt chunks through ONNX Runtime's fused attention (the cpu target's body) -----------------------------
+# snapkv, tova and streaming judge a chunk by its last queries (or not at all): the op attends with
+# com.microsoft::GroupQueryAttention when the chunk extends the slots and scores from the last `observe` rows
+FUSED_POLICIES = {"snapkv", "tova", "streaming"}
+
+
+def _gqa_runs(sess: ort.InferenceSession) -> int:
+    import json
+    from pathlib import Path
+
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    runs = {e["ts"] for e in events if e.get("cat") == "Node" and e["args"].get("op_name") == "GroupQueryAttention"}
+    return len(runs)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_fused_prompt_attention_matches_reference(dtype, policy, tmp_path):
+    """Every dtype and policy, in place: the same slots, bytes, scores and outputs as the reference; the fused
+    kernel runs for every chunk that extends the slots (all multi-token steps of STEPS) where the policy allows."""
+    heads, kv_heads, head_dim, capacity = SHAPES[(len(dtype) + len(policy) + 1) % len(SHAPES)]
+    compression = Compression(capacity=capacity, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
+    model = compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.3, fused=True)
+    onnx.checker.check_model(model, full_check=True)
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "profile")
+    sess = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    seed = hash((dtype, policy, "fused")) % 1000
+    _run(sess, compression, heads, kv_heads, head_dim, capacity, STEPS, seed=seed, in_place=True, scale=0.3)
+    chunks = sum(1 for _, count in STEPS if count > 1)
+    assert _gqa_runs(sess) == (chunks if policy in FUSED_POLICIES else 0)
+
+
+def test_fused_prompt_attention_falls_back_where_slots_do_not_extend():
+    """A sliding window, or new positions not after every cached one: every query's probabilities, as before."""
+    compression = Compression(capacity=12, sink=1, window=2, policy="snapkv", dtype="int8", group=16, observe=3)
+    model = compressed_model(4, 2, 16, 12, compression, scale=0.25, window=6, fused=True)
+    sess = _session(model)
+    _run(sess, compression, 4, 2, 16, 12, STEPS, seed=11, window=6, protect_at=[3, 9])
+    model = compressed_model(4, 2, 16, 12, compression, scale=0.25, fused=True)
+    steps = [(20, 6), (0, 5), (26, 1), (10, 4)]  # a chunk of earlier positions after later ones
+    _run(_session(model), compression, 4, 2, 16, 12, steps, seed=12, in_place=True)

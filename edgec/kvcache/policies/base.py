@@ -24,6 +24,7 @@ STATISTICS = ("total", "observed", "last")
 class Policy(Protocol):
     name: str
     needs: tuple[str, ...]  # which statistics the update reads
+    # optional: ``prompt_needs``, the statistics a call of T > 1 tokens reads where fewer than ``needs``
     prunes: bool  # evicts below a threshold when the cache is full, not just what the new tokens need
 
     def update(self, score: np.ndarray, stats: dict[str, np.ndarray], key_pos: np.ndarray, new: int) -> np.ndarray:
@@ -32,6 +33,13 @@ class Policy(Protocol):
     def update_onnx(self, body: Body, score: str, stats: dict[str, str], key_pos: str, new: str | None) -> str:
         """The same in graph nodes; ``new`` names an int64 tensor holding T, or is None in the one-token
         decode branch (T = 1 known when the graph is written); returns the result's name."""
+
+
+def prompt_needs(policy: Policy) -> tuple[str, ...]:
+    """The statistics a multi-token call's update reads: ``needs`` unless the policy declares fewer. A policy
+    that needs no ``total`` there (snapkv, tova, streaming) lets the op attend with a fused kernel and score
+    from the last ``observe`` query rows alone, never the call's whole score matrix."""
+    return getattr(policy, "prompt_needs", policy.needs)
 
 
 def accumulate(score: np.ndarray, received: np.ndarray, decay: float) -> np.ndarray:

@@ -11,6 +11,7 @@ from edgec.kvcache.policies.base import accumulate, accumulate_onnx
 
 name = "snapkv"
 needs = ("total", "observed")
+prompt_needs = ("observed",)  # a prompt chunk is judged by its last queries only
 prunes = False
 DECAY = 0.99
 POOL = 7  # SnapKV's max-pool kernel
@@ -33,7 +34,8 @@ def update(score, stats, key_pos, new):
 
 
 def update_onnx(body, score, stats, key_pos, new) -> str:
-    decode = accumulate_onnx(body, score, stats["total"], DECAY, new)
+    """Without ``total`` in ``stats`` the caller guarantees T > 1 (a prompt chunk): no decode half."""
+    decode = accumulate_onnx(body, score, stats["total"], DECAY, new) if "total" in stats else None
     if new is None:  # the decode branch: one token, no prompt to observe
         return decode
     observed = stats["observed"]
@@ -46,5 +48,7 @@ def update_onnx(body, score, stats, key_pos, new) -> str:
     pooled = body.op("MaxPool", folded, kernel_shape=[POOL], pads=[POOL // 2, POOL // 2], strides=[1])
     pooled_back = body.op("Reshape", pooled, body.op("Shape", new_part))
     prefill = body.op("Concat", old_part, pooled_back, axis=-1)
+    if decode is None:
+        return prefill
     is_decode = body.op("Equal", new, body.i64(1))
     return body.op("Where", is_decode, decode, prefill)

@@ -1,0 +1,67 @@
+"""A second step graph for prompt chunks, over the same weights file: where the int4/int8 pass computes a product
+from split activations (``passes/_weights._split_rows``: x as two rows of int8 activations, summed — fp32 accuracy
+at the int8 kernel's speed for one decode row), the prefill graph feeds x itself to the same weights at fp32
+activations (``accuracy_level`` 1): the exact product the split approximates (within 5e-3 of logits).
+
+Why two graphs: on an AVX2 CPU ONNX Runtime's int8 kernel (level 4) is no faster than its fp32 kernel (level 1)
+for a prompt chunk of hundreds of rows (SmolLM2's 576 × 3072 product, 1,024 rows, one thread: 210 ms at level 4,
+149 ms at level 1, 143 ms as an fp32 MatMul), so the split's doubled rows made a chunk ~2.6× slower than it need
+be; for one decode row the split is what pays (level 1 decodes at ~0.3× of it). The runtime runs multi-token steps
+on ``model.prefill_file`` and one-token steps on ``model.file``, with one set of cache buffers bound to both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PREFILL_FILE = "prefill.onnx"
+
+
+def write_prefill_graph(folder: Path) -> dict[str, Any]:
+    """Write ``prefill.onnx`` beside ``model.onnx`` (weights stay references into model.onnx.data, never copied)
+    when the graph has split-activation products; returns the manifest's model entries for it ({} if none)."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common
+
+    model = ir.load(folder / "model.onnx")
+    rewritten = sum(_unsplit(node) for node in list(model.graph) if node.op_type == "MatMulNBits")
+    if not rewritten:
+        return {}
+    onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
+    ir.save(model, folder / f"{PREFILL_FILE}.tmp")
+    (folder / f"{PREFILL_FILE}.tmp").replace(folder / PREFILL_FILE)
+    return {"prefill_file": PREFILL_FILE}
+
+
+def _unsplit(node) -> bool:
+    """MatMulNBits(split rows of x) → halves summed  ⇒  MatMulNBits(x) at fp32 activations. False if ``node`` is
+    not that pattern (``_split_rows``: Reshape(Concat(high, Sub(blocks, high))), blocks = Reshape(x); the result
+    read by Reshape [0, 2, -1, N] and ReduceSum over axis 1)."""
+    import onnx_ir as ir
+
+    def producer(value, op_type):
+        node = value.producer() if value is not None else None
+        return node if node is not None and node.op_type == op_type else None
+
+    rows = producer(node.inputs[0], "Reshape")
+    concat = producer(rows.inputs[0], "Concat") if rows else None
+    sub = producer(concat.inputs[1], "Sub") if concat and len(concat.inputs) == 2 else None
+    blocks = producer(sub.inputs[0], "Reshape") if sub else None
+    uses = list(node.outputs[0].uses())
+    pairs = uses[0].node if len(uses) == 1 and uses[0].node.op_type == "Reshape" else None
+    pair_uses = list(pairs.outputs[0].uses()) if pairs else []
+    total = pair_uses[0].node if len(pair_uses) == 1 and pair_uses[0].node.op_type == "ReduceSum" else None
+    if blocks is None or total is None:
+        return False
+    node.replace_input_with(0, blocks.inputs[0])
+    node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", 1)
+    summed, product = total.outputs[0], node.outputs[0]
+    if summed.is_graph_output():  # the logits: the product takes the output's place and name
+        graph = node.graph
+        index = list(graph.outputs).index(summed)
+        name, summed.name = summed.name, f"{summed.name}.split"
+        product.name, product.type, product.shape = name, summed.type, summed.shape
+        graph.outputs[index] = product
+    ir.convenience.replace_all_uses_with(summed, product)
+    return True
