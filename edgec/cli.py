@@ -946,6 +946,8 @@ def inspect(bundle) -> None:
             f"sink {compression['sink']}, window {compression['window']}, prefill-compress "
             f"{compression['prefill_compress']}; k+v {cache.get('kv_bytes_per_token', 0):,.0f} bytes/token"
         )
+        if compression.get("rotation", "none") != "none":
+            say(f"  rotated before storage: {compression['rotation']} (seed {compression['rotation_seed']})")
     if cache.get("ring_kv_bytes"):
         rings = sum(1 for layer in cache["layers"] if layer.get("window") and not layer.get("compressed"))
         say(f"sliding-window rings: {rings} layers, {cache['ring_kv_bytes'] / 2**20:,.1f} MiB k+v (fixed)")
