@@ -520,6 +520,13 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat format (implied by --chat-template).")
 @click.option("--protect", default=None, help="Compressed cache: never evict these prompt tokens (numbers,names).")
 @click.option("--quiet", "-q", is_flag=True, help="No speed line on stderr.")
+@click.option(
+    "--prefix-cache",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Folder of saved prompts: the longest saved one this prompt starts with is restored instead of read "
+    "again, and this prompt's cache state is saved there.",
+)
 @generation_options
 def run(
     bundle,
@@ -529,6 +536,7 @@ def run(
     chat,
     protect,
     quiet,
+    prefix_cache,
     temperature,
     top_k,
     top_p,
@@ -548,6 +556,7 @@ def run(
       echo "Once upon a time" | edgec run gemma.cpu.edgec - -n 64 --repeat-penalty 1.1 --stop "The End"
       edgec run gemma.cpu.edgec "Hi!" --chat-template chatml.jinja
       edgec run smol.cpu.edgec "Hello" --trust release.pub
+      edgec run smol.cpu.edgec --prompt-file report.txt --prefix-cache ~/.cache/edgec-prompts
     """
     from edgec.runtime import GenerationStats
 
@@ -568,6 +577,7 @@ def run(
         repeat_penalty=repeat_penalty,
         stats=stats,
         stream=True,
+        prefix_cache=prefix_cache,
     )
     for piece in pieces:
         click.echo(terminal_text(piece), nl=False)
