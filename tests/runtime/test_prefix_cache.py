@@ -10,21 +10,17 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edgec.build import build
 from edgec.cli import main
 from edgec.errors import GenerationError, StateFileError
 from edgec.runtime import Model
 from edgec.runtime import prefix_cache as pc
-from tests.conftest import build_settings, pydoc_text
+from tests.conftest import pydoc_text
 from tests.test_cli import assert_clean_failure
 
 
 @pytest.fixture(scope="module")
-def compressed_bundle(tmp_path_factory, tiny_llama):
-    out = tmp_path_factory.mktemp("prefix") / "kv.edgec"
-    settings = dict(target="cpu", context=128, prefill_chunk=16, kv_capacity=40, kv_window=8, kv_group=16)
-    build(tiny_llama, out, build_settings(**settings, kv_dtype="int8", kv_rotation="hadamard"))
-    return out
+def compressed_bundle(tiny_rotated_bundle):
+    return tiny_rotated_bundle
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +29,7 @@ def ids(tiny_bundle):
 
 
 def test_restored_state_answers_as_the_prompt_read_again(compressed_bundle, ids, tmp_path):
-    """A compressed cache (int8, rotated, evicting: 90 tokens into 40 slots), saved and loaded in another Model:
+    """A compressed cache (rotated, evicting: 90 tokens into 40 slots), saved and loaded in another Model:
     the same state bytes, the same first logits, the same greedy tokens — without reading the prompt."""
     prompt = ids[:90]
     writer = Model.load(compressed_bundle)
@@ -73,7 +69,7 @@ def test_run_prefix_cache_skips_the_prefill_the_second_time(compressed_bundle, i
     assert first.exit_code == 0, first.output
     files = list(folder.iterdir())
     assert len(files) == 1 and files[0].suffix == ".edgeckv"
-    assert files[0].stat().st_size < 200_000  # 2 layers × 2 KV heads × 40 int8 slots, the logits, the ids
+    assert files[0].stat().st_size < 100_000  # 2 layers × 2 KV heads × 40 fp32 slots, the logits, the ids
 
     def no_prefill(*args, **kwargs):
         raise AssertionError("the prompt was read again")
