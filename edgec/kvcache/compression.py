@@ -168,6 +168,8 @@ class Compression:
             )
         if self.dtype == "int4" and self.group % 2:
             raise BuildSettingsError(f"--kv-group must be even for int4 (two values per byte), got {self.group}")
+        if not self.rotation_seed < 2**32:
+            raise BuildSettingsError(f"--kv-rotation-seed must be below 2**32, got {self.rotation_seed}")
         if self.rotation != "none" and not usable(head_dim):
             raise BuildSettingsError(
                 f"--kv-rotation {self.rotation} needs a power-of-two head dim, got {head_dim}; use --kv-rotation none"

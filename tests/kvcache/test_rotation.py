@@ -137,3 +137,5 @@ def test_settings_recorded_only_when_on():
     with pytest.raises(BuildSettingsError, match="power-of-two head dim"):
         on.check(head_dim=96)
     on.check(head_dim=64)
+    with pytest.raises(BuildSettingsError, match="below 2\\*\\*32"):
+        replace(on, rotation_seed=2**32).check(head_dim=64)
