@@ -177,14 +177,11 @@ def main() -> None:
 
     # the most telling rows first, so that a run cut short still answers the main questions
     score("plain fp32", "-", "fp32", plain, None)
-    if args.rotation_rows:  # int4 with and without the rotation against int8, at 25 % and at full capacity
+    if args.rotation_rows:  # int4 with and without the rotation against int8, at 25 %
         score("25.0% capacity", "snapkv", "int8", bundle("snapkv", "int8"), 0.25)
         score("25.0% capacity", "snapkv", "int4", bundle("snapkv", "int4"), 0.25)
         rotated = bundle("snapkv", "int4", rotation=True)
         score("25.0% capacity, rotated", "snapkv", "int4", rotated, 0.25, rotation="hadamard")
-        score("full capacity", "h2o", "int4", bundle("h2o", "int4"), None)
-        score("full capacity, rotated", "h2o", "int4", bundle("h2o", "int4", rotation=True), None, rotation="hadamard")
-        score("full capacity", "h2o", "int8", bundle("h2o", "int8"), None)
         print_table(rows)
         return
     score("full capacity", "h2o", "int8", bundle("h2o", "int8"), None)
