@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES), help="which caches")
     parser.add_argument(
         "--plot", type=Path, default=Path(__file__).resolve().parents[1] / "docs/img/kv-error-curve.png"
     )
@@ -66,7 +67,8 @@ def main() -> None:
     reference = [logits.copy() for _, logits in Model.load(plain, threads=args.threads).iter_logits(ids, PROMPT)]
     print(f"reference: {time.time() - started:.0f} s", flush=True)
     results = {}
-    for label, (policy, dtype, rotated) in CACHES.items():
+    for label in args.caches:
+        policy, dtype, rotated = CACHES[label]
         started = time.time()
         path = kv_quality.bundle(policy, dtype, rotation=rotated)
         results[label] = curve(path, args.capacity, ids, reference, args.threads)

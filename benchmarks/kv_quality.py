@@ -128,7 +128,9 @@ def main() -> None:
     parser.add_argument("--policies", nargs="*", default=list(POLICIES))
     parser.add_argument("--report", action="store_true", help="only print the table and plot from the last run")
     parser.add_argument("--split-only", choices=["int8", "int4"], help="only the window = capacity/2 rows")
-    parser.add_argument("--rotation-rows", action="store_true", help="only the rows that show the rotation")
+    parser.add_argument(
+        "--rotation-rows", nargs="*", choices=["int8", "int4-rot", "int4"], help="only these 25 %% rows (rotation)"
+    )
     args = parser.parse_args()
     done_path = models.OUT / f"kv_quality_rows_{args.tokens}.jsonl"  # finished rows survive an interrupted run
     if args.report:  # every finished row, in reading order
@@ -177,11 +179,14 @@ def main() -> None:
 
     # the most telling rows first, so that a run cut short still answers the main questions
     score("plain fp32", "-", "fp32", plain, None)
-    if args.rotation_rows:  # int4 with and without the rotation against int8, at 25 %
-        score("25.0% capacity", "snapkv", "int8", bundle("snapkv", "int8"), 0.25)
-        score("25.0% capacity", "snapkv", "int4", bundle("snapkv", "int4"), 0.25)
-        rotated = bundle("snapkv", "int4", rotation=True)
-        score("25.0% capacity, rotated", "snapkv", "int4", rotated, 0.25, rotation="hadamard")
+    if args.rotation_rows is not None:  # int4 with and without the rotation against int8, at 25 %
+        if "int8" in args.rotation_rows:
+            score("25.0% capacity", "snapkv", "int8", bundle("snapkv", "int8"), 0.25)
+        if "int4-rot" in args.rotation_rows:
+            rotated = bundle("snapkv", "int4", rotation=True)
+            score("25.0% capacity, rotated", "snapkv", "int4", rotated, 0.25, rotation="hadamard")
+        if "int4" in args.rotation_rows:
+            score("25.0% capacity", "snapkv", "int4", bundle("snapkv", "int4"), 0.25)
         print_table(rows)
         return
     score("full capacity", "h2o", "int8", bundle("h2o", "int8"), None)
