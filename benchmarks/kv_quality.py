@@ -39,22 +39,25 @@ SMOLLM2_HEADS = (9, 3, 64)  # query heads, KV heads, head dim
 FP16_BYTES_PER_TOKEN = 23_040  # SmolLM2: 30 layers × 3 KV heads × (64 + 64) channels × 2 bytes
 
 
-def bundle(policy: str | None, dtype: str | None, window: int | None = None) -> Path:
+def bundle(policy: str | None, dtype: str | None, window: int | None = None, rotation: bool = False) -> Path:
     """Build (once) a bundle with this cache; None/None = the plain (uncompressed, fp32) cache. Policies after
-    the first of a dtype, and other recent windows, are made from that one (see ``policy_variant``)."""
-    name = f"smollm2-{policy}-{dtype}" if policy else "smollm2-plain"
+    the first of a dtype, and other recent windows, are made from that one (see ``policy_variant``).
+    ``rotation``: the cache rotated before storage (``--kv-rotation hadamard``)."""
+    name = f"smollm2-{policy}-{dtype}{'-rot' if rotation else ''}" if policy else "smollm2-plain"
     path = OUT / f"{name}{f'-w{window}' if window else ''}.edgec"
     if (path / "manifest.json").exists():
         return path
     if window:
-        return policy_variant(bundle("h2o", dtype), policy, path, window)
+        return policy_variant(bundle("h2o", dtype, rotation=rotation), policy, path, window)
     if policy and policy != "h2o":
-        return policy_variant(bundle("h2o", dtype), policy, path)
+        return policy_variant(bundle("h2o", dtype, rotation=rotation), policy, path)
     command = [sys.executable, "-m", "edgec.cli", "build", str(models.smollm2_gguf()), "-o", str(path)]
     command += ["--context", str(CONTEXT), "--overwrite"]
     if policy:
         command += ["--kv-policy", policy, "--kv-dtype", dtype, "--prefill-compress", "chunk"]
         command += ["--kv-capacity", str(CONTEXT // 2)]
+        if rotation:
+            command += ["--kv-rotation", "hadamard"]
     started = time.time()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     print(f"built {path.name} in {time.time() - started:.0f} s", flush=True)
@@ -125,6 +128,9 @@ def main() -> None:
     parser.add_argument("--policies", nargs="*", default=list(POLICIES))
     parser.add_argument("--report", action="store_true", help="only print the table and plot from the last run")
     parser.add_argument("--split-only", choices=["int8", "int4"], help="only the window = capacity/2 rows")
+    parser.add_argument(
+        "--rotation-rows", nargs="*", choices=["int8", "int4-rot", "int4"], help="only these 25 %% rows (rotation)"
+    )
     args = parser.parse_args()
     done_path = models.OUT / f"kv_quality_rows_{args.tokens}.jsonl"  # finished rows survive an interrupted run
     if args.report:  # every finished row, in reading order
@@ -141,13 +147,15 @@ def main() -> None:
     rows = []
     finished = [json.loads(line) for line in done_path.read_text().splitlines()] if done_path.exists() else []
 
-    def score(label: str, policy: str, dtype: str, path: Path, fraction: float | None, window: int = 64) -> None:
+    def score(
+        label: str, policy: str, dtype: str, path: Path, fraction: float | None, window: int = 64, rotation="none"
+    ) -> None:
         capacity = None if fraction is None else int(args.tokens * fraction)
         if policy != "-" and capacity is None:
             capacity = args.tokens  # full capacity: no eviction, storage only
         for row in finished:
-            key = (row["policy"], row["dtype"], row["capacity"], row.get("window", 64))
-            if key == (policy, dtype, capacity or args.tokens, window):
+            key = (row["policy"], row["dtype"], row["capacity"], row.get("window", 64), row.get("rotation", "none"))
+            if key == (policy, dtype, capacity or args.tokens, window, rotation):
                 rows.append(row)
                 return
         started = time.time()
@@ -159,6 +167,7 @@ def main() -> None:
             "capacity": capacity or args.tokens,
             "fraction": fraction or 1.0,
             "window": window,
+            "rotation": rotation,
             "kv_bytes_per_token": kv_bytes(path, capacity, args.tokens),
             "perplexity": value,
             "seconds": round(time.time() - started, 1),
@@ -170,6 +179,16 @@ def main() -> None:
 
     # the most telling rows first, so that a run cut short still answers the main questions
     score("plain fp32", "-", "fp32", plain, None)
+    if args.rotation_rows is not None:  # int4 with and without the rotation against int8, at 25 %
+        if "int8" in args.rotation_rows:
+            score("25.0% capacity", "snapkv", "int8", bundle("snapkv", "int8"), 0.25)
+        if "int4-rot" in args.rotation_rows:
+            rotated = bundle("snapkv", "int4", rotation=True)
+            score("25.0% capacity, rotated", "snapkv", "int4", rotated, 0.25, rotation="hadamard")
+        if "int4" in args.rotation_rows:
+            score("25.0% capacity", "snapkv", "int4", bundle("snapkv", "int4"), 0.25)
+        print_table(rows)
+        return
     score("full capacity", "h2o", "int8", bundle("h2o", "int8"), None)
     for fraction in (0.25, 0.5, 0.125):
         for policy in args.policies:
@@ -215,7 +234,8 @@ def _reading_order(row: dict) -> tuple:
     dtypes = ("fp32", "int8", "fp8", "int4")
     split = row.get("window", 64) != 64
     policy = POLICIES.index(row["policy"]) if row["policy"] in POLICIES else -1
-    return (row["policy"] != "-", -row["fraction"], dtypes.index(row["dtype"]), split, policy)
+    rotated = row.get("rotation", "none") != "none"
+    return (row["policy"] != "-", -row["fraction"], dtypes.index(row["dtype"]), rotated, split, policy)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -225,10 +245,14 @@ def print_table(rows: list[dict]) -> None:
     for row in rows:
         ratio = FP16_BYTES_PER_TOKEN / row["kv_bytes_per_token"]
         print(
-            f"| {row['cache']} | {row['policy']} | {row['dtype']} | {row['capacity']} | "
+            f"| {row['cache']} | {row['policy']} | {row['dtype']}{rotated(row)} | {row['capacity']} | "
             f"{row['kv_bytes_per_token']:,.0f} ({ratio:.1f}×) | {row['perplexity']:.3f} | "
             f"{100 * (row['perplexity'] / base - 1):+.2f} % |"
         )
+
+
+def rotated(row: dict) -> str:
+    return "" if row.get("rotation", "none") == "none" else f" + {row['rotation']}"
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -106,6 +106,11 @@ def plan_build(settings: BuildSettings, shape: ModelShape, max_context: int | No
             f"cache (--kv-capacity, --kv-dtype, ...) and a TensorRT-RTX target (rtx3060, rtx4090, ...); got "
             f"{'no compressed cache' if kv is None else target.name}"
         )
+    if settings.kv_plugin and kv.rotation != "none":
+        raise BuildSettingsError(
+            f"--kv-plugin on and --kv-rotation {kv.rotation}: the plugin's kernel reads an unrotated cache; "
+            "build with one of them"
+        )
     choices = Choices(target, weights, context, kv, weight_options(target, settings, weights), settings.kv_plugin)
     passes, options = passes_for(choices)
     plan = Plan(target, shape, context, prefill_chunk, weights, kv, passes, options)

@@ -530,6 +530,13 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat format (implied by --chat-template).")
 @click.option("--protect", default=None, help="Compressed cache: never evict these prompt tokens (numbers,names).")
 @click.option("--quiet", "-q", is_flag=True, help="No speed line on stderr.")
+@click.option(
+    "--prefix-cache",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Folder of saved prompts: the longest saved one this prompt starts with is restored instead of read "
+    "again, and this prompt's cache state is saved there.",
+)
 @generation_options
 def run(
     bundle,
@@ -539,6 +546,7 @@ def run(
     chat,
     protect,
     quiet,
+    prefix_cache,
     temperature,
     top_k,
     top_p,
@@ -558,6 +566,7 @@ def run(
       echo "Once upon a time" | edgec run gemma.cpu.edgec - -n 64 --repeat-penalty 1.1 --stop "The End"
       edgec run gemma.cpu.edgec "Hi!" --chat-template chatml.jinja
       edgec run smol.cpu.edgec "Hello" --trust release.pub
+      edgec run smol.cpu.edgec --prompt-file report.txt --prefix-cache ~/.cache/edgec-prompts
     """
     from edgec.runtime import GenerationStats
 
@@ -578,6 +587,7 @@ def run(
         repeat_penalty=repeat_penalty,
         stats=stats,
         stream=True,
+        prefix_cache=prefix_cache,
     )
     for piece in pieces:
         click.echo(terminal_text(piece), nl=False)
@@ -956,6 +966,8 @@ def inspect(bundle) -> None:
             f"sink {compression['sink']}, window {compression['window']}, prefill-compress "
             f"{compression['prefill_compress']}; k+v {cache.get('kv_bytes_per_token', 0):,.0f} bytes/token"
         )
+        if compression.get("rotation", "none") != "none":
+            say(f"  rotated before storage: {compression['rotation']} (seed {compression['rotation_seed']})")
     if cache.get("ring_kv_bytes"):
         rings = sum(1 for layer in cache["layers"] if layer.get("window") and not layer.get("compressed"))
         say(f"sliding-window rings: {rings} layers, {cache['ring_kv_bytes'] / 2**20:,.1f} MiB k+v (fixed)")

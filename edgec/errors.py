@@ -34,6 +34,11 @@ class GenerationError(EdgecError, ValueError):
     """A runtime call got arguments it cannot honour (e.g. a prompt longer than the context)."""
 
 
+class StateFileError(EdgecError):
+    """A saved cache state (``Model.load_state``, ``edgec run --prefix-cache``) cannot be used: damaged, written for
+    another bundle or cache setting, or not a state file."""
+
+
 class BuildError(EdgecError):
     """A build step could not make what the target needs from this model."""
 

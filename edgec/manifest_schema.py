@@ -137,6 +137,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "cache.compression.group": (1, 4_096),
     "cache.compression.observe": (1, 2**16),
     "cache.compression.protect_fraction": (0, 0.999),
+    "cache.compression.rotation_seed": (0, 2**32 - 1),
     "cache.bytes_per_token": (0, 2**40),
     "cache.kv_bytes_per_token": (0, 2**40),
     "cache.ring_kv_bytes": (0, 2**50),

@@ -107,6 +107,18 @@ def tiny_bundle(tmp_path_factory, tiny_llama) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_rotated_bundle(tmp_path_factory, tiny_llama) -> Path:
+    """A compressed cache with the rotation: fp32 slots (so that at full capacity it equals the plain cache), 40
+    slots, recent window 8, chunked prefill."""
+    from edgec.build import build
+
+    out = tmp_path_factory.mktemp("bundles") / "tiny.rotated.edgec"
+    kv = dict(kv_capacity=40, kv_window=8, kv_group=16, kv_dtype="fp32", kv_rotation="hadamard", kv_rotation_seed=5)
+    build(tiny_llama, out, build_settings(target="cpu", context=128, prefill_chunk=16, prefill_compress="chunk", **kv))
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_portable_bundle(tmp_path_factory, tiny_llama) -> Path:
     from edgec.build import BuildSettings, build
 

@@ -187,3 +187,24 @@ def test_verify_compare_runs_a_compressed_bundle(tmp_path_factory, tiny_llama):
     bundle = _build(tmp_path_factory, tiny_llama, "verify", kv_capacity=40, kv_window=8, kv_dtype="int4", kv_group=16)
     checks = {check.name: check.status for check in verify(bundle, compare=True)}
     assert "fail" not in checks.values(), checks
+
+
+def test_rotated_cache_end_to_end(tiny_rotated_bundle, tiny_bundle, text_ids):
+    """--kv-rotation through export, the pass and the runtime: with every token in a slot (capacity raised at
+    load) fp32 slots give the plain cache's results, the slots hold the rotated keys, and the manifest and
+    `edgec inspect` record it."""
+    from edgec.kvcache import rotation
+
+    compression = manifest(tiny_rotated_bundle)["cache"]["compression"]
+    assert (compression["rotation"], compression["rotation_seed"]) == ("hadamard", 5)
+    result = CliRunner().invoke(main, ["inspect", str(tiny_rotated_bundle)])
+    assert "rotated before storage: hadamard (seed 5)" in result.output
+    rotated, plain = Model.load(tiny_rotated_bundle, kv_capacity=128), Model.load(tiny_bundle)
+    np.testing.assert_allclose(rotated.logprobs(text_ids), plain.logprobs(text_ids), atol=1e-5)
+    prompt = text_ids[:40]
+    rotated.next_token_logits(prompt)
+    plain.next_token_logits(prompt)
+    stored, keys = last_state(rotated)["cache.1.k"][..., :40, :], last_state(plain)["cache.1.k"][..., :40, :]
+    matrix, signs = rotation.hadamard(keys.shape[-1]), rotation.signs(5, keys.shape[1], keys.shape[-1])
+    np.testing.assert_allclose(stored, rotation.rotate(keys, signs, matrix), atol=1e-5)
+    assert not np.allclose(stored, keys, atol=1e-2)

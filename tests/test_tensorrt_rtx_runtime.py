@@ -213,3 +213,17 @@ def test_compressed_cache_on_tensorrt_rtx(compressed_rtx_bundle, tiny_llama, tmp
                 assert top_two[1] - top_two[0] < 2 * np.abs(ours - theirs).max(), f"step {step} differs, no tie"
     assert ties <= 2
     assert not [p for p in cudart.ALLOCATIONS.values() if p.nbytes > 1 << 20]  # the larger prompt state was freed
+
+
+def test_a_saved_prompt_restores_into_device_buffers(compressed_rtx_bundle, tmp_path, fake_gpu):
+    """save_state downloads the engine's cache state after a prompt longer than the capacity; another Model
+    uploads it (TrtCacheState.restore) and generates the cold run's tokens without reading the prompt."""
+    _register(compressed_rtx_bundle)
+    model = Model.load(compressed_rtx_bundle)
+    ids = model.encode(pydoc_text()[1000:1250])
+    model.save_state(tmp_path / "prompt.edgeckv", ids)
+    cold = list(model.generate_ids(ids, max_new_tokens=12))
+    other = Model.load(compressed_rtx_bundle)
+    saved = other.load_state(tmp_path / "prompt.edgeckv")
+    other._prefill = None  # reading the prompt again would fail
+    assert list(other.generate_ids(ids, max_new_tokens=12, saved=saved)) == cold

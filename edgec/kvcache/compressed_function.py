@@ -191,13 +191,24 @@ def make_function(
     cache's does, and its score matrix is never materialized.
     """
     b = Body()
+    formal = list(inputs(compression))
+    # with a rotation, the body below runs on rotated q, k, v (named as the inputs were) and its output is
+    # rotated back at the end (rotation.py)
+    body_out = {name: name for name in outputs(compression)}
+    rotation = None
+    if compression.rotation != "none":
+        formal = [f"{name}_unrotated" if name in ("q", "k", "v") else name for name in formal]
+        body_out["out"] = "out_rotated"
+        rotation = matrix, query_signs, kv_signs, out_signs = _rotation_constants(b, compression, heads)
+        for name, signs in (("q", query_signs), ("k", kv_signs), ("v", kv_signs)):
+            b.named("MatMul", [b.op("Mul", f"{name}_unrotated", signs), matrix], name)
     scale_attr = b.attribute_ref("value_float", "scale", AttributeProto.FLOAT)
     window_attr = b.attribute_ref("value_int", "window", AttributeProto.INT)
     if not data_dependent_shapes:
         results = _general(b, compression, scale_attr, window_attr, every_slot=True)
         for name in outputs(compression):
-            b.nodes.append(helper.make_node("Identity", [results[name]], [name]))
-        return _function(b, compression, default_opset)
+            b.nodes.append(helper.make_node("Identity", [results[name]], [body_out[name]]))
+        return _function(b, compression, default_opset, formal, rotation)
     is_decode = b.op("Equal", b.op("Squeeze", b.shape("k", 2)), b.i64(1))
     branches = {}
     for kind in ("decode", "general"):
@@ -216,20 +227,51 @@ def make_function(
         helper.make_node(
             "If",
             [is_decode],
-            list(outputs(compression)),
+            [body_out[name] for name in outputs(compression)],
             then_branch=branches["decode"],
             else_branch=branches["general"],
         )
     )
-    return _function(b, compression, default_opset, fused_attention)
+    return _function(b, compression, default_opset, formal, rotation, fused_attention)
 
 
-def _function(b: Body, compression: Compression, default_opset: int, fused: bool = False) -> onnx.FunctionProto:
+def _rotation_constants(b: Body, compression: Compression, heads: Heads) -> tuple[str, str, str, str]:
+    """H/√D [D,D] and the signs shaped for q [B,H,T,D] ([H,1,D]), k/v [B,Hkv,T,D] ([Hkv,1,D]) and the output
+    [B,T,H,D] ([H,D]); each query head takes its KV head's signs."""
+    import numpy as np
+
+    from edgec.kvcache import rotation
+
+    kv_signs = rotation.signs(compression.rotation_seed, heads.kv, heads.dim)
+    query_signs = np.repeat(kv_signs, heads.query // heads.kv, axis=0)
+
+    def constant(name: str, value) -> str:
+        return b.op("Constant", value=onnx.numpy_helper.from_array(np.ascontiguousarray(value), name), name=name)
+
+    return (
+        constant("rotation", rotation.hadamard(heads.dim)),
+        constant("query_signs", query_signs[:, None, :]),
+        constant("kv_signs", kv_signs[:, None, :]),
+        constant("out_signs", query_signs),
+    )
+
+
+def _function(
+    b: Body,
+    compression: Compression,
+    default_opset: int,
+    formal: list[str],
+    rotation: tuple[str, ...] | None,
+    fused: bool = False,
+) -> onnx.FunctionProto:
     opsets = [helper.make_opsetid("", default_opset)] + ([helper.make_opsetid("com.microsoft", 1)] if fused else [])
+    if rotation is not None:  # the output back from the rotated space (H/√D is its own transpose and inverse)
+        matrix, *_, out_signs = rotation
+        b.named("Mul", [b.op("MatMul", "out_rotated", matrix), out_signs], "out")
     return helper.make_function(
         DOMAIN,
         OP_TYPE,
-        list(inputs(compression)),
+        formal,
         list(outputs(compression)),
         b.nodes,
         opset_imports=opsets,

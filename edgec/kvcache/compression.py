@@ -13,8 +13,10 @@ from typing import Any
 
 from edgec.errors import BuildSettingsError
 from edgec.kvcache.quantize import STORAGE, bytes_per_value
+from edgec.kvcache.rotation import ROTATIONS, usable
 
 PREFILL_MODES = ("end", "chunk")
+OMITTED_WHEN_OFF = ("rotation", "rotation_seed")  # settings a manifest holds only when the rotation is on
 
 
 def _policy_names() -> tuple[str, ...]:
@@ -78,6 +80,17 @@ class Compression:
     )
     # the share of the evictable capacity that protected tokens may hold
     protect_fraction: float = _setting(0.25, Option(None, "share of slots protected tokens may hold", minimum=0))
+    # rotation.py; both are left out of the manifest when off, so bundles without it stay byte-identical
+    rotation: str = _setting(
+        "none",
+        Option(
+            "--kv-rotation",
+            "orthogonal transform of k and v before storage: hadamard = a per-head Hadamard with random signs, "
+            "which spreads outlier channels before int8/fp8/int4 rounding (exact in fp32)",
+            choices=ROTATIONS,
+        ),
+    )
+    rotation_seed: int = _setting(0, Option("--kv-rotation-seed", "seed of the rotation's random signs", minimum=0))
 
     # --- derived from the fields -------------------------------------------------------------------------------
     @classmethod
@@ -109,7 +122,7 @@ class Compression:
     def schema(cls) -> dict[str, Any]:
         """The manifest schema of a built bundle's settings (manifest_schema.py's notation)."""
         types = {"int": int, "str": str, "float": (int, float), "int | None": int}
-        return {f.name: types[str(f.type)] for f in fields(cls)}
+        return {f"{f.name}?" if f.name in OMITTED_WHEN_OFF else f.name: types[str(f.type)] for f in fields(cls)}
 
     @classmethod
     def from_json(cls, data: dict) -> Compression:
@@ -117,7 +130,11 @@ class Compression:
         return cls(**{key: value for key, value in data.items() if key in known})
 
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if self.rotation == "none":  # as before the setting existed
+            for name in OMITTED_WHEN_OFF:
+                data.pop(name)
+        return data
 
     # --- checks ------------------------------------------------------------------------------------------------
     def resolved(self, context: int) -> Compression:
@@ -151,6 +168,12 @@ class Compression:
             )
         if self.dtype == "int4" and self.group % 2:
             raise BuildSettingsError(f"--kv-group must be even for int4 (two values per byte), got {self.group}")
+        if not self.rotation_seed < 2**32:
+            raise BuildSettingsError(f"--kv-rotation-seed must be below 2**32, got {self.rotation_seed}")
+        if self.rotation != "none" and not usable(head_dim):
+            raise BuildSettingsError(
+                f"--kv-rotation {self.rotation} needs a power-of-two head dim, got {head_dim}; use --kv-rotation none"
+            )
         if not self.protect_fraction < 1:
             raise BuildSettingsError(f"protect fraction must lie in [0, 1), got {self.protect_fraction}")
 

@@ -80,6 +80,7 @@ def kv_attention(
 #      so the op updates its state in place with one ScatterElements per tensor;
 #   5. a pruning policy (adaptive) then empties every evictable slot below its threshold, on heads that had
 #      to evict in this call.
+# With ``rotation`` on, all of this runs on q, k, v rotated per head (rotation.py), and the output is rotated back.
 # Ties go to the lower index (ONNX TopK's rule): empty slots fill from slot 0 in order, so with C ≥ context
 # slot == position and the result equals the uncompressed cache exactly.
 
@@ -115,7 +116,10 @@ def compressed_kv_attention(
     scale: float,
     window: int = 0,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """q [B,H,T,D], k/v [B,Hkv,T,D], position_ids [B,T], protect [B,T] bool → (out [B,T,H,D], new state)."""
+    """q [B,H,T,D], k/v [B,Hkv,T,D], position_ids [B,T], protect [B,T] bool → (out [B,T,H,D], new state).
+    With a rotation (rotation.py) the op is the same on rotated q, k, v, its output rotated back."""
+    if compression.rotation != "none":
+        return _rotated(q, k, v, position_ids, protect, state, compression, scale, window)
     from edgec.kvcache import policies
     from edgec.kvcache.quantize import dequantize, quantize
 
@@ -203,6 +207,30 @@ def compressed_kv_attention(
         evictable = (result["pos"] >= 0) & ~forced(result["pos"], newest, slot_protected, compression) & evicted
         result["pos"] = np.where(policy.prune(result["score"], evictable), -1, result["pos"])
     return out, result
+
+
+def _rotated(q, k, v, position_ids, protect, state, compression, scale, window):
+    from dataclasses import replace
+
+    from edgec.kvcache import rotation
+
+    num_heads, head_dim = q.shape[1], q.shape[3]
+    num_kv_heads = k.shape[1]
+    matrix = rotation.hadamard(head_dim)
+    kv_signs = rotation.signs(compression.rotation_seed, num_kv_heads, head_dim)
+    q_signs = np.repeat(kv_signs, num_heads // num_kv_heads, axis=0)  # each query head takes its KV head's
+    out, result = compressed_kv_attention(
+        rotation.rotate(q, q_signs, matrix),
+        rotation.rotate(k, kv_signs, matrix),
+        rotation.rotate(v, kv_signs, matrix),
+        position_ids,
+        protect,
+        state,
+        replace(compression, rotation="none"),
+        scale,
+        window,
+    )
+    return rotation.unrotate(out, q_signs, matrix).astype(q.dtype), result
 
 
 def select_slots(

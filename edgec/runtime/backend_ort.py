@@ -231,6 +231,12 @@ class OrtCacheState:
             if tensor.name == "pos":
                 value.update_inplace(np.full(value.shape(), -1, np.int64))
 
+    def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        """Set every state tensor to a saved value (``arrays()``'s names and shapes)."""
+        self._active = self._state
+        for tensor, value in self._state:
+            value.update_inplace(np.ascontiguousarray(arrays[tensor.input]))
+
     # --- reading a long prompt into a compressed cache ------------------------------------------------------
     def begin_prompt(self, length: int) -> None:
         """Before a prompt of ``length`` tokens: with ``prefill_compress = end`` and a prompt longer than the
@@ -322,6 +328,9 @@ class StaticOrtCacheState:
 
     def reset(self) -> None:
         self.decode.reset()  # the cache buffers are shared: one reset empties both
+
+    def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        self.decode.restore(arrays)  # shared buffers, as for reset
 
     def begin_prompt(self, length: int) -> None:
         pass

@@ -234,6 +234,12 @@ class TrtCacheState:
         for _, pointers, empty in self.buffers:
             self._upload(pointers[0], empty)
 
+    def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        """Set every state tensor to a saved value (``arrays()``'s names and shapes)."""
+        self._drop_larger()
+        for tensor, pointers, _ in self.buffers:
+            self._upload(pointers[0], arrays[tensor.input])
+
     # --- reading a long prompt into a compressed cache (as the ONNX Runtime backend, on device buffers) -----
     def begin_prompt(self, length: int) -> None:
         compression = self.compression

@@ -17,7 +17,9 @@ from edgec.bundle import TrustedKeys, open_bundle, upgrade_manifest
 from edgec.errors import BuildSettingsError, BundleError, GenerationError, one_line
 from edgec.kvcache.compression import Compression
 from edgec.kvcache.spec import CacheSpec
+from edgec.runtime import prefix_cache as saved_prompts
 from edgec.runtime.chat import ChatFormat
+from edgec.runtime.prefix_cache import SavedPrompt
 from edgec.runtime.protect import Protect, protect_flags
 from edgec.runtime.sampling import SeenTokens, choose_token, penalize_repeats
 from edgec.runtime.step import Backend, CacheState
@@ -410,6 +412,8 @@ class Model:
         repeat_penalty: float = 1.0,
         stats: GenerationStats | None = None,
         kv_capacity: int | None = None,
+        saved: SavedPrompt | None = None,
+        prefix_cache: str | Path | None = None,
     ) -> Iterator[int]:
         """Yield new token ids one by one (greedy when temperature is 0); stops at EOS, after
         ``max_new_tokens`` or when the context is full. ``protect`` (a compressed cache only): prompt token
@@ -417,19 +421,36 @@ class Model:
         ``repeat_penalty`` > 1 makes every token already in the prompt or the output less likely (1 = off; the
         Hugging Face rule: positive logits divided by it, negative ones multiplied). ``stats``: filled in with
         token counts and timings as the generation runs. ``kv_capacity``: a compressed cache's slot count for
-        this generation alone (a fresh state, freed when it ends; ``session_bytes`` gives its size)."""
+        this generation alone (a fresh state, freed when it ends; ``session_bytes`` gives its size). ``saved``
+        (``load_state``): a prompt read earlier that this one starts with — its state is restored and only the rest
+        is read. ``prefix_cache``: a folder of saved prompts; the longest that this prompt starts with is used, and
+        this prompt's state is saved there (prefix_cache.py)."""
         _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         _check_repeat_penalty(repeat_penalty)
         ids = self._prompt_ids(prompt, messages, chat)
         flags = self._protect_flags(protect, ids)  # bad protect arguments fail here, not at the first next()
+        if saved is not None and not isinstance(saved, SavedPrompt):
+            raise TypeError(f"saved must be a SavedPrompt (Model.load_state), not {type(saved).__name__}")
+        if saved is not None and not self._starts_with(ids, flags, saved):
+            raise GenerationError("the saved prompt is not the start of this prompt (or was read with other protect)")
+        folder = None if prefix_cache is None else Path(prefix_cache)
         sampling = (temperature, top_k, top_p, float(repeat_penalty))
         if kv_capacity is not None:
             self._check_kv_capacity(kv_capacity)  # a capacity that cannot work fails here, not at the first next()
+        reading = (saved, folder)
         stats = stats or GenerationStats()
-        return self._token_stream(ids, max_new_tokens, sampling, seed, flags, stats, kv_capacity)
+        return self._token_stream(ids, max_new_tokens, sampling, seed, flags, stats, kv_capacity, reading)
 
     def _token_stream(
-        self, ids, max_new_tokens, sampling, seed, flags, stats: GenerationStats, kv_capacity: int | None = None
+        self,
+        ids,
+        max_new_tokens,
+        sampling,
+        seed,
+        flags,
+        stats: GenerationStats,
+        kv_capacity: int | None = None,
+        reading=(None, None),
     ) -> Iterator[int]:
         if max_new_tokens == 0:
             return
@@ -448,7 +469,7 @@ class Model:
         stats.prompt_tokens, stats.new_tokens, stats.decode_seconds = len(ids), 0, 0.0
         started = time.perf_counter()
         with self._state(kv_capacity) as state:  # held until the generator is exhausted or closed
-            logits = self._prefill(state, ids, all_logits=False, flags=flags)[-1]
+            logits = self._read_prompt(state, ids, flags, *reading)
             stats.prompt_seconds = time.perf_counter() - started
             token = choose(logits)
             stats.first_token_seconds, stats.new_tokens = time.perf_counter() - started, 1
@@ -467,6 +488,71 @@ class Model:
                 stats.decode_seconds += time.perf_counter() - step_started
                 stats.new_tokens += 1
 
+    # --- saved prompts (prefix_cache.py) --------------------------------------------------------------------
+    def save_state(self, path: str | Path, prompt: Prompt, *, protect: Protect = None) -> None:
+        """Read ``prompt`` (text or ids) as generation would and write the cache state it leaves, with the logits
+        of its last position, to the file ``path``; ``load_state`` gives it back to this bundle (same cache
+        settings) in a later process."""
+        ids = self._prompt_ids(prompt, None, False)
+        flags = self._protect_flags(protect, ids)
+        with self._state() as state:
+            logits = self._prefill(state, ids, all_logits=False, flags=flags)[-1]
+            saved = SavedPrompt(ids, self._flag_array(ids, flags), state.arrays(), logits.astype(np.float32))
+        saved_prompts.write_state(Path(path), self._cache_identity(), saved)
+
+    def load_state(self, path: str | Path) -> SavedPrompt:
+        """A prompt ``save_state`` wrote for this bundle and cache setting, checked (``StateFileError`` when it is
+        not one); pass it to ``generate``/``generate_ids`` as ``saved=``."""
+        template = {tensor.input: array for tensor, array in self.cache_spec.empty_state()}
+        expected = saved_prompts.expected_arrays(template)
+        return saved_prompts.read_state(Path(path), self._cache_identity(), expected, self.context, self.vocab_size)
+
+    def _cache_identity(self) -> str:
+        if not hasattr(self, "_identity"):
+            manifest_bytes = (self.path / "manifest.json").read_bytes()
+            self._identity = saved_prompts.cache_identity(manifest_bytes, self.cache_spec.to_json())
+        return self._identity
+
+    @staticmethod
+    def _flag_array(ids: np.ndarray, flags: np.ndarray | None) -> np.ndarray:
+        return np.zeros(len(ids), bool) if flags is None else np.asarray(flags, bool)
+
+    def _starts_with(self, ids: np.ndarray, flags: np.ndarray | None, saved: SavedPrompt) -> bool:
+        count = len(saved.ids)
+        return count <= len(ids) and bool(
+            np.array_equal(saved.ids, ids[:count]) and np.array_equal(saved.flags, self._flag_array(ids, flags)[:count])
+        )
+
+    def _read_prompt(
+        self, state: CacheState, ids: np.ndarray, flags: np.ndarray | None, saved: SavedPrompt | None, folder
+    ) -> np.ndarray:
+        """The logits after the prompt, with the state holding it: read whole, or restored from a saved prompt
+        (and the rest read on top, in steps of at most the capacity); saved into ``folder`` when given."""
+        keys = None
+        if folder is not None:
+            keys = saved_prompts.prefix_keys(self._cache_identity(), ids, self._flag_array(ids, flags))
+            if saved is None and (found := saved_prompts.find_prefix(folder, keys)):
+                saved = self.load_state(found[1])
+                if not self._starts_with(ids, flags, saved):
+                    raise saved_prompts.StateFileError(f"{one_line(found[1])} does not hold the prompt its name says")
+        if saved is None:
+            logits = self._prefill(state, ids, all_logits=False, flags=flags)[-1]
+        else:
+            state.restore(saved.arrays)
+            logits = saved.logits
+            size = self.prefill_chunk
+            if self.cache_spec.compression:
+                size = min(size, self.cache_spec.compression.capacity)
+            for start in range(len(saved.ids), len(ids), size):
+                chunk_flags = None if flags is None else flags[start : start + size]
+                logits = state.run(ids[start : start + size], start, last_only=True, protect=chunk_flags)[-1]
+        if keys is not None and (saved is None or len(saved.ids) < len(ids)):
+            logits = logits.astype(np.float32)  # a copy: a one-token step's logits are a reused buffer
+            folder.mkdir(parents=True, exist_ok=True)
+            entry = SavedPrompt(ids, self._flag_array(ids, flags), state.arrays(), logits)
+            saved_prompts.write_state(folder / (keys[-1] + saved_prompts.SUFFIX), self._cache_identity(), entry)
+        return logits
+
     def generate(
         self,
         prompt: Prompt | None = None,
@@ -483,11 +569,13 @@ class Model:
         protect: Protect = None,
         repeat_penalty: float = 1.0,
         stats: GenerationStats | None = None,
+        saved: SavedPrompt | None = None,
+        prefix_cache: str | Path | None = None,
     ) -> str | Iterator[str]:
         """Generate text. ``prompt`` is text or token ids; ``messages`` (or ``chat=True`` with a text prompt)
         applies the bundle's chat format. ``stop`` strings end generation (not included in the result; no token
         is computed after one appears). With ``stream=True`` returns an iterator of text pieces as they decode.
-        ``repeat_penalty`` and ``stats`` as in ``generate_ids``."""
+        ``repeat_penalty``, ``stats``, ``saved`` and ``prefix_cache`` as in ``generate_ids``."""
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise GenerationError("stop must be a non-empty string or a list of them")
@@ -503,6 +591,8 @@ class Model:
             protect=protect,
             repeat_penalty=repeat_penalty,
             stats=stats,
+            saved=saved,
+            prefix_cache=prefix_cache,
         )
         pieces = _cut_at_stops(self.tokenizer.stream(t for t in tokens if t not in self.eos_token_ids), stops)
         return pieces if stream else "".join(pieces)

@@ -35,7 +35,10 @@ class CacheState(Protocol):
         """After the prompt (``newest``: its last position; ``last_chunk_start``: the first of its last step)."""
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """Host copies of the state, by graph input name (inspection, tests)."""
+        """Host copies of the state, by graph input name (inspection, tests, saved prompts)."""
+
+    def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        """Set the state to ``arrays()`` taken earlier from a state of the same spec (a saved prompt)."""
 
     def close(self) -> None:
         """Release what the state holds on the device (idempotent; also done when it is collected)."""

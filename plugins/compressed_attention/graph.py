@@ -123,7 +123,7 @@ def make_plugin_function(compression: Compression, default_opset: int, heads: cf
             else_branch=branches["general"],
         )
     )
-    function = cf._function(b, compression, default_opset)
+    function = cf._function(b, compression, default_opset, list(cf.inputs(compression)), None)
     function.opset_import.append(helper.make_opsetid(cf.DOMAIN, cf.OPSET_VERSION))  # it calls the sub-op
     return function
 

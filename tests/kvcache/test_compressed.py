@@ -69,19 +69,35 @@ def _state_feed(state: dict) -> dict:
 
 
 def _run(
-    sess, compression, heads, kv_heads, head_dim, capacity, steps, seed, window=0, protect_at=(), in_place=False, **kw
+    sess,
+    compression,
+    heads,
+    kv_heads,
+    head_dim,
+    capacity,
+    steps,
+    seed,
+    window=0,
+    protect_at=(),
+    in_place=False,
+    grid=0.0,
+    **kw,
 ):
+    """``grid`` > 0 rounds the inputs to its multiples: with a power of two and a head dim that is a power of four,
+    a rotation's products and sums are exact in float32 in any order, so ONNX Runtime and numpy store the same
+    bytes (otherwise their summation orders may differ in the last bit and tip a rounding)."""
     rng = np.random.default_rng(seed)
+    snap = (lambda x: np.round(x / grid) * grid) if grid else (lambda x: x)  # noqa: E731
     state = reference.empty_compressed_state(kv_heads, capacity, head_dim, compression)
     mine = {name: value.copy() for name, value in _state_feed(state).items()}
     bound = {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in mine.items()} if in_place else None
     scale = kw.get("scale", head_dim**-0.5)
     for start, count in steps:
-        q = rng.standard_normal((1, heads, count, head_dim)).astype(np.float32)
+        q = snap(rng.standard_normal((1, heads, count, head_dim))).astype(np.float32)
         # a few loud keys so that scored policies have something to find
         k = rng.standard_normal((1, kv_heads, count, head_dim)) * rng.uniform(0.2, 3, (1, kv_heads, count, 1))
-        k = k.astype(np.float32)
-        v = rng.standard_normal((1, kv_heads, count, head_dim)).astype(np.float32)
+        k = snap(k).astype(np.float32)
+        v = snap(rng.standard_normal((1, kv_heads, count, head_dim))).astype(np.float32)
         positions = np.arange(start, start + count, dtype=np.int64)[None]
         protect = np.isin(positions, protect_at)
         want_out, state = reference.compressed_kv_attention(

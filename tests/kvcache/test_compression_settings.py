@@ -21,6 +21,8 @@ def test_flags_are_derived_from_the_fields():
         "kv_dtype": "dtype",
         "kv_group": "group",
         "prefill_compress": "prefill_compress",
+        "kv_rotation": "rotation",
+        "kv_rotation_seed": "rotation_seed",
     }
     assert Compression.from_flags({"capacity": None, "dtype": None}) is None  # nothing asked for
     assert Compression.from_flags({"dtype": "int8"}) == Compression(dtype="int8")
@@ -32,7 +34,10 @@ def test_schema_is_derived_from_the_fields():
     built = Compression(dtype="int8").resolved(4096)
     assert schema_errors(built.to_json(), Compression.schema()) == []
     assert schema_errors({**built.to_json(), "group": "32"}, Compression.schema())
-    assert set(Compression.schema()) == set(built.to_json())
+    assert {name.rstrip("?") for name in Compression.schema()} == set(built.to_json()) | {"rotation", "rotation_seed"}
+    rotated = Compression(dtype="int4", rotation="hadamard").resolved(4096)
+    assert schema_errors(rotated.to_json(), Compression.schema()) == []
+    assert set(rotated.to_json()) == {name.rstrip("?") for name in Compression.schema()}
 
 
 @pytest.mark.parametrize(

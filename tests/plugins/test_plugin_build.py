@@ -101,3 +101,13 @@ def test_kv_plugin_needs_a_compressed_cache_on_tensorrt_rtx(tiny_llama, tmp_path
         build(tiny_llama, tmp_path / "a", build_settings(target="rtx3060", context=64, kv_plugin=True))
     with pytest.raises(BuildSettingsError, match="--kv-plugin on"):
         build(tiny_llama, tmp_path / "b", build_settings(target="cpu", context=64, kv_plugin=True, **KV))
+
+
+def test_kv_plugin_refuses_a_rotated_cache(tiny_llama, tmp_path):
+    """The kernel reads an unrotated cache: a rotated one would attend over the wrong keys."""
+    from edgec.errors import BuildSettingsError
+
+    rotated = {**KV, "kv_rotation": "hadamard"}
+    with pytest.raises(BuildSettingsError, match="--kv-rotation"):
+        build(tiny_llama, tmp_path / "a", build_settings(target="rtx3060", context=64, kv_plugin=True, **rotated))
+    assert not (tmp_path / "a").exists()
