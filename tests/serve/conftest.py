@@ -81,6 +81,19 @@ class Running:
         raise AssertionError("no VmHWM")
 
 
+def wait_ready(url: str, process: subprocess.Popen, log, what: str = "edgec serve", seconds: float = 120) -> None:
+    """Poll ``url`` until it answers; fail with the process's output (``log()``) if it exits or never answers."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(f"{what} exited: {log()}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        assert time.monotonic() < deadline, f"{what} did not start: {log()}"
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def running_server(bundle: Path, *options: str):
     port = free_port()
@@ -88,15 +101,7 @@ def running_server(bundle: Path, *options: str):
     env = dict(os.environ, EDGEC_ORT_SPIN="0")
     process = subprocess.Popen([*command, *options], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"edgec serve exited: {process.stdout.read().decode()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    break
-            assert time.monotonic() < deadline, "edgec serve did not start"
-            time.sleep(0.1)
+        wait_ready(f"http://127.0.0.1:{port}/health", process, lambda: process.stdout.read().decode())
         yield Running(process, port)
     finally:
         process.terminate()

@@ -4,18 +4,17 @@ through PyTriton."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from edgec.runtime import Model
+from tests.serve import conftest
 from tests.serve.conftest import free_port
 
 if importlib.util.find_spec("pytriton") is None:  # installed --no-deps: never imported, only its tritonserver used
@@ -29,15 +28,7 @@ needs_triton_python = pytest.mark.skipif(
 
 
 def wait_ready(port: int, model: str, process: subprocess.Popen, log) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        if process.poll() is not None:
-            raise AssertionError(f"tritonserver exited: {log()}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}/ready", timeout=1):
-                return
-        assert time.monotonic() < deadline, f"tritonserver not ready: {log()}"
-        time.sleep(0.1)
+    conftest.wait_ready(f"http://127.0.0.1:{port}/v2/models/{model}/ready", process, log, "tritonserver")
 
 
 def stream(port: int, model: str, prompt: str, max_tokens: int) -> list[str]:
