@@ -966,6 +966,12 @@ def inspect(bundle) -> None:
             f"sink {compression['sink']}, window {compression['window']}, prefill-compress "
             f"{compression['prefill_compress']}; k+v {cache.get('kv_bytes_per_token', 0):,.0f} bytes/token"
         )
+        if compression.get("mixed", "none") != "none":
+            wide = compression["sink"] + compression["window"]
+            say(
+                f"  mixed precision: {wide} slots per head (sinks, window, protected) in {compression['mixed']}, "
+                f"the other {compression['capacity'] - wide} in {compression['dtype']}"
+            )
         if compression.get("rotation", "none") != "none":
             say(f"  rotated before storage: {compression['rotation']} (seed {compression['rotation_seed']})")
     if cache.get("ring_kv_bytes"):

@@ -204,6 +204,15 @@ def make_function(
             b.named("MatMul", [b.op("Mul", f"{name}_unrotated", signs), matrix], name)
     scale_attr = b.attribute_ref("value_float", "scale", AttributeProto.FLOAT)
     window_attr = b.attribute_ref("value_int", "window", AttributeProto.INT)
+    if compression.mixed != "none":  # two slot pools: one body for every call (mixed_function.py)
+        if not data_dependent_shapes:
+            raise ValueError("a mixed-precision cache needs data-dependent shapes (ONNX Runtime targets)")
+        from edgec.kvcache import mixed_function
+
+        results = mixed_function.body(b, compression, scale_attr, window_attr)
+        for name in outputs(compression):
+            b.nodes.append(helper.make_node("Identity", [results[name]], [body_out[name]]))
+        return _function(b, compression, default_opset, formal, rotation)
     if not data_dependent_shapes:
         results = _general(b, compression, scale_attr, window_attr, every_slot=True)
         for name in outputs(compression):
@@ -724,6 +733,9 @@ def make_schema(compression: Compression) -> onnx.defs.OpSchema:
     storage = onnx.helper.tensor_dtype_to_string(STORAGE_TYPES[compression.dtype])
     kinds = {"q": "T", "k": "T", "v": "T", "position_ids": "I", "protect": "B", "score": "F", "pos": "I"}
     kinds |= {"k_cache": "S", "v_cache": "S", "k_scale": "F", "v_scale": "F"}
+    kinds |= {"k_hi": "W", "v_hi": "W", "k_hi_scale": "F", "v_hi_scale": "F", "score_hi": "F", "pos_hi": "I"}
+    wide = STORAGE_TYPES.get(compression.mixed)  # a mixed cache's wide pool
+    wide = [("W", [onnx.helper.tensor_dtype_to_string(wide)], "wide pool storage")] if wide is not None else []
     param = onnx.defs.OpSchema.FormalParameter
     return onnx.defs.OpSchema(
         OP_TYPE,
@@ -737,6 +749,7 @@ def make_schema(compression: Compression) -> onnx.defs.OpSchema:
             ("F", ["tensor(float)"], "scales and scores"),
             ("I", ["tensor(int64)"], "positions"),
             ("B", ["tensor(bool)"], "protect flags"),
+            *wide,
         ],
         attributes=[
             onnx.defs.OpSchema.Attribute("scale", onnx.defs.OpSchema.AttrType.FLOAT, "softmax scale"),
