@@ -252,6 +252,8 @@ def build_command(model: str, estimate: Estimate, memory: str | None = None) -> 
     if settings.capacity_fraction < 1 or settings.kv != target.defaults.get("kv", "fp32"):
         # anything but the target's plain cache is the compressed cache: its slot count and storage
         words += ["--kv-capacity", str(settings.capacity), "--kv-dtype", settings.kv]
+    if settings.kv_mixed != "none":
+        words += ["--kv-mixed", settings.kv_mixed]
     if memory is not None:
         words += ["--memory", shlex.quote(memory)]
     return " ".join([*words, "-o", shlex.quote(f"{estimate.model.name}.{target.name}.edgec")])

@@ -27,7 +27,7 @@ def mixed_bundle(tmp_path_factory, tiny_llama):
     return out
 
 
-def test_mixed_bundle_end_to_end(mixed_bundle, tiny_llama, tiny_bundle, tmp_path):
+def test_mixed_bundle_end_to_end(mixed_bundle, tiny_llama, tmp_path):
     data = manifest(mixed_bundle)
     cache = data["cache"]
     assert cache["compression"]["mixed"] == "int8" and "rotation" not in cache["compression"]
@@ -114,3 +114,16 @@ def test_refused_mixed_settings_are_one_line(tiny_llama, tmp_path, args, needles
     result = CliRunner().invoke(main, command)
     assert_clean_failure(result, *needles)
     assert not out.exists()
+
+
+def test_plan_counts_the_wide_pool_and_prints_the_flag():
+    """edgec plan: the wide pool's bytes in the KV line, the flag in the build line; a plan it cannot build refused."""
+    runner = CliRunner()
+    base = ["plan", "smollm2-135m", "--context", "8192", "--kv", "int4"]
+    mixed = runner.invoke(main, [*base, "--kv-mixed", "int8"])
+    assert mixed.exit_code == 0, mixed.output
+    assert "int4; sinks + window (68 slots) int8" in mixed.output
+    assert "--kv-dtype int4 --kv-mixed int8" in mixed.output
+    assert "--kv-mixed" not in runner.invoke(main, base).output
+    assert_clean_failure(runner.invoke(main, base[:-2] + ["--kv-mixed", "int8"]), "with a narrower --kv given")
+    assert_clean_failure(runner.invoke(main, [*base, "--kv-mixed", "int8", "-t", "rtx3060"]), "got rtx3060")

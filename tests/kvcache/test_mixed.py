@@ -175,8 +175,14 @@ def test_tokens_are_requantized_as_they_leave_the_window():
 
 
 # --- the ONNX body --------------------------------------------------------------------------------------------
+SLOW = pytest.mark.slow  # the same checks on more combinations: the slow tier (each ~0.7 s)
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-@pytest.mark.parametrize("dtype,mixed", [("int4", "int8"), ("int4", "fp16"), ("int8", "fp16")])
+@pytest.mark.parametrize(
+    "dtype,mixed",
+    [("int4", "int8"), pytest.param("int4", "fp16", marks=SLOW), pytest.param("int8", "fp16", marks=SLOW)],
+)
 def test_body_matches_reference(policy, dtype, mixed):
     """Every policy, int4 (and int8) narrow pools under int8/fp16 wide ones: the same outputs, slots, bytes and
     scores as the reference, with separate buffers and in place (one buffer per state tensor, ORT IO binding)."""
@@ -206,7 +212,7 @@ def test_body_with_a_sliding_window_and_more_protected_than_the_wide_pool_holds(
 GRID = 2.0**-6  # as test_rotation: rotated products exact in float32 in any order
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", [p if p == "snapkv" else pytest.param(p, marks=SLOW) for p in sorted(POLICIES)])
 def test_rotated_body_matches_reference(policy):
     """--kv-rotation hadamard wraps the mixed body as it wraps the one-pool body: in place, every policy."""
     shape = (4, 2, 16, 20)
@@ -232,7 +238,9 @@ def _ancestors(nodes: list[onnx.NodeProto], node_index: int) -> set[int]:
 ALIASING = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
 
 
-@pytest.mark.parametrize("policy", ["adaptive", "snapkv", "streaming"])
+@pytest.mark.parametrize(
+    "policy", ["adaptive", pytest.param("snapkv", marks=SLOW), pytest.param("streaming", marks=SLOW)]
+)
 def test_every_state_input_is_read_before_its_output_is_written(policy):
     """The in-place proof, on the graph: bound in place, a state input's buffer is its output's, which the node
     that computes the output writes (the last one before Identity copies, which ONNX Runtime removes: a
