@@ -127,3 +127,14 @@ def test_plan_counts_the_wide_pool_and_prints_the_flag():
     assert "--kv-mixed" not in runner.invoke(main, base).output
     assert_clean_failure(runner.invoke(main, base[:-2] + ["--kv-mixed", "int8"]), "with a narrower --kv given")
     assert_clean_failure(runner.invoke(main, [*base, "--kv-mixed", "int8", "-t", "rtx3060"]), "got rtx3060")
+
+
+@pytest.mark.slow
+def test_cpu_portable_builds_the_same_mixed_cache(mixed_bundle, tiny_llama, tmp_path):
+    """The other ONNX Runtime CPU target: the same op body (no fused kernels), the same scores of a text."""
+    out = tmp_path / "portable.edgec"
+    build(tiny_llama, out, build_settings(target="cpu-portable", context=128, prefill_chunk=16, **MIXED))
+    assert manifest(out)["cache"]["compression"]["mixed"] == "int8"
+    ids = Model.load(mixed_bundle).encode(pydoc_text()[:4000])[:100]
+    portable = Model.load(out, prefill_compress="chunk").logprobs(ids)
+    np.testing.assert_allclose(portable, Model.load(mixed_bundle, prefill_compress="chunk").logprobs(ids), atol=1e-4)
