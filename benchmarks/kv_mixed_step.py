@@ -1,7 +1,7 @@
 """What the mixed-precision cache costs per call: the CompressedKVAttention op alone (SmolLM2's head layout, 9 query
 heads, 3 KV heads, head dim 64), its state full, one-token decode steps and 512-token prompt chunks, int4 slots
 (the cpu target's body: decode branch and fused prompt attention) against int4 under an int8 wide pool
-(``--kv-mixed int8``: one body for every call), rounds interleaved in one process.
+(``--kv-mixed int8``: its own decode branch, no fused prompt attention), rounds interleaved in one process.
 
     python benchmarks/kv_mixed_step.py --slots 2048 --rounds 5
 

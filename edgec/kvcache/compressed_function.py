@@ -204,14 +204,16 @@ def make_function(
             b.named("MatMul", [b.op("Mul", f"{name}_unrotated", signs), matrix], name)
     scale_attr = b.attribute_ref("value_float", "scale", AttributeProto.FLOAT)
     window_attr = b.attribute_ref("value_int", "window", AttributeProto.INT)
-    if compression.mixed != "none":  # two slot pools: one body for every call (mixed_function.py)
+    if compression.mixed != "none":  # two slot pools (mixed_function.py): the same If, its own branches
         if not data_dependent_shapes:
             raise ValueError("a mixed-precision cache needs data-dependent shapes (ONNX Runtime targets)")
         from edgec.kvcache import mixed_function
 
-        results = mixed_function.body(b, compression, scale_attr, window_attr)
-        for name in outputs(compression):
-            b.nodes.append(helper.make_node("Identity", [results[name]], [body_out[name]]))
+        branches = {
+            "decode": lambda body: mixed_function.decode(body, compression, scale_attr, window_attr, heads),
+            "general": lambda body: mixed_function.body(body, compression, scale_attr, window_attr),
+        }
+        b.nodes.append(_if_decode(b, compression, branches, body_out, mixed_function.output_type))
         return _function(b, compression, default_opset, formal, rotation)
     if not data_dependent_shapes:
         results = _general(b, compression, scale_attr, window_attr, every_slot=True)
@@ -242,6 +244,27 @@ def make_function(
         )
     )
     return _function(b, compression, default_opset, formal, rotation, fused_attention)
+
+
+def _if_decode(b: Body, compression: Compression, branches: dict, body_out: dict, output_type) -> onnx.NodeProto:
+    """``If`` T = 1 then ``branches["decode"]`` else ``branches["general"]`` (each: Body → outputs by name)."""
+    is_decode = b.op("Equal", b.op("Squeeze", b.shape("k", 2)), b.i64(1))
+    graphs = {}
+    for kind, write in branches.items():
+        branch = Body(prefix=f"{kind[0]}_")
+        results = write(branch)
+        graph_outputs = []
+        for name in outputs(compression):
+            value = branch.op("Identity", results[name], name=f"{name}_result")
+            graph_outputs.append(helper.make_tensor_value_info(value, output_type(compression, name), None))
+        graphs[kind] = helper.make_graph(branch.nodes, f"{kind}_step", [], graph_outputs)
+    return helper.make_node(
+        "If",
+        [is_decode],
+        [body_out[name] for name in outputs(compression)],
+        then_branch=graphs["decode"],
+        else_branch=graphs["general"],
+    )
 
 
 def _rotation_constants(b: Body, compression: Compression, heads: Heads) -> tuple[str, str, str, str]:

@@ -244,21 +244,28 @@ ALIASING = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
 def test_every_state_input_is_read_before_its_output_is_written(policy):
     """The in-place proof, on the graph: bound in place, a state input's buffer is its output's, which the node
     that computes the output writes (the last one before Identity copies, which ONNX Runtime removes: a
-    ScatterElements, or the Where that prunes positions). Every node that reads the input, directly or through a
-    view, must be an ancestor of that writer: ONNX Runtime runs a node only after its inputs exist, so nothing
-    can read a slot after it was overwritten."""
+    ScatterElements, or the Where that prunes positions). In each branch of the op's If (decode, general), every
+    node that reads the input, directly or through a view, must be an ancestor of that writer: ONNX Runtime runs a
+    node only after its inputs exist, so nothing can read a slot after it was overwritten."""
     compression = Compression(capacity=20, sink=2, window=4, policy=policy, dtype="int4", mixed="int8", group=8)
-    nodes = list(cf.make_function(compression, 23, cf.Heads(4, 2, 16)).node)
-    producers = {output: i for i, node in enumerate(nodes) for output in node.output}
-    for name in cf.state_names(compression):
-        writer = producers[f"{name}_out"]
-        while nodes[writer].op_type == "Identity":
-            writer = producers[nodes[writer].input[0]]
-        assert nodes[writer].op_type in ("ScatterElements", "Where"), (name, nodes[writer].op_type)
-        before = _ancestors(nodes, writer)
-        late = [nodes[i].op_type for i in _readers(nodes, name) if i != writer and i not in before]
-        assert not late, f"{name} is read after its output is written, by {late}"
-        assert _readers(nodes, name), name
+    function = cf.make_function(compression, 23, cf.Heads(4, 2, 16))
+    names = cf.state_names(compression)
+    (branching,) = [node for node in function.node if node.op_type == "If"]
+    outer_readers = [node.op_type for node in function.node if set(node.input) & set(names)]
+    assert outer_readers == [], outer_readers  # the state is read inside the branches only
+    for attribute in branching.attribute:
+        nodes = list(attribute.g.node)
+        producers = {output: i for i, node in enumerate(nodes) for output in node.output}
+        results = [value.name for value in attribute.g.output]
+        for name in names:
+            writer = producers[results[cf.outputs(compression).index(f"{name}_out")]]
+            while nodes[writer].op_type == "Identity":
+                writer = producers[nodes[writer].input[0]]
+            assert nodes[writer].op_type in ("ScatterElements", "Where"), (name, nodes[writer].op_type)
+            before = _ancestors(nodes, writer)
+            late = [nodes[i].op_type for i in _readers(nodes, name) if i != writer and i not in before]
+            assert not late, f"{attribute.name}: {name} is read after its output is written, by {late}"
+            assert _readers(nodes, name), name
 
 
 def _readers(nodes: list[onnx.NodeProto], name: str) -> set[int]:
