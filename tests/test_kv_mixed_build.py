@@ -4,6 +4,7 @@ and the runtime count, the runtime's prompt modes, saved prompts, and the settin
 from __future__ import annotations
 
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -14,7 +15,9 @@ from edgec.cli import main
 from edgec.kvcache.compression import Compression
 from edgec.manifest_schema import manifest_errors
 from edgec.runtime import Model
+from edgec.runtime.prefix_cache import StateFileError
 from tests.conftest import build_settings, manifest, pydoc_text
+from tests.runtime.test_prefix_cache import _resign, _tamper
 from tests.test_cli import assert_clean_failure
 
 MIXED = dict(kv_capacity=40, kv_window=8, kv_group=16, kv_dtype="int4", kv_mixed="int8")
@@ -65,6 +68,12 @@ def test_mixed_bundle_end_to_end(mixed_bundle, tiny_llama, tmp_path):
     saved = reader.load_state(tmp_path / "p.edgeckv")
     reader._prefill = None
     assert list(reader.generate_ids(ids[:90], max_new_tokens=8, saved=saved)) == cold
+    # a state file is hostile input: the wide pool's positions are checked like the narrow pool's
+    damaged = tmp_path / "damaged.edgeckv"
+    damaged.write_bytes((tmp_path / "p.edgeckv").read_bytes())
+    _tamper(damaged, _wide_position_out_of_range)
+    with pytest.raises(StateFileError, match="positions outside the saved prompt"):
+        reader.load_state(damaged)
 
     # the planner counts the same bytes as the manifest
     from edgec.load import inspect_source
@@ -81,6 +90,16 @@ def test_mixed_bundle_end_to_end(mixed_bundle, tiny_llama, tmp_path):
     assert (
         "mixed precision: 12 slots per head (sinks, window, protected) in int8, the other 28 in int4" in result.output
     )
+
+
+def _wide_position_out_of_range(header, body):
+    offset = 0
+    for entry in header["arrays"]:
+        if entry["name"].endswith(".pos_hi"):
+            body[offset : offset + 8] = struct.pack("<q", 10_000)
+            return _resign(header, body)
+        offset += np.dtype(entry["dtype"]).itemsize * int(np.prod(entry["shape"]))
+    raise AssertionError("no wide-pool positions in the state file")
 
 
 def test_manifest_schema_refuses_a_bad_mixed_cache(mixed_bundle):
