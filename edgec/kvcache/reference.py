@@ -248,9 +248,9 @@ def _prune(policy, result, evicted, newest, compression):
 #   1-3. as above over the slots of both pools [wide; narrow] and the new tokens (one attention, one score each);
 #   4a. the wide pool keeps the hi_slots strongest of its slots and the new tokens by the wide key: +inf for
 #       sinks and protected tokens, else the position (the newest; an empty slot lowest). Paired as in step 4
-#       (n = min(T, hi_slots) pairs, no index re-ordering); the T candidates that lose their pair or have none
-#       (new tokens beyond n, weakest first... in key order) are *displaced*: a wide slot's token leaves the
-#       window (or a new token never enters it);
+#       (n = min(T, hi_slots) pairs, no index re-ordering). The T candidates that lose their pair, or have none
+#       (the weakest new tokens of a chunk longer than the pool), are *displaced*: a wide slot's token leaves
+#       the window, or a new token never enters it;
 #   4b. the displaced candidates, re-quantized from their wide values (or quantized from the new k, v), compete
 #       for the narrow pool exactly as new tokens do in step 4, by keep-score (a displaced token is no longer in
 #       the recent window unless protected tokens crowd the wide pool: then it stays forced, only narrower);
