@@ -39,18 +39,22 @@ SMOLLM2_HEADS = (9, 3, 64)  # query heads, KV heads, head dim
 FP16_BYTES_PER_TOKEN = 23_040  # SmolLM2: 30 layers × 3 KV heads × (64 + 64) channels × 2 bytes
 
 
-def bundle(policy: str | None, dtype: str | None, window: int | None = None, rotation: bool = False) -> Path:
+def bundle(
+    policy: str | None, dtype: str | None, window: int | None = None, rotation: bool = False, mixed: str = "none"
+) -> Path:
     """Build (once) a bundle with this cache; None/None = the plain (uncompressed, fp32) cache. Policies after
     the first of a dtype, and other recent windows, are made from that one (see ``policy_variant``).
-    ``rotation``: the cache rotated before storage (``--kv-rotation hadamard``)."""
-    name = f"smollm2-{policy}-{dtype}{'-rot' if rotation else ''}" if policy else "smollm2-plain"
+    ``rotation``: the cache rotated before storage (``--kv-rotation hadamard``); ``mixed``: the sinks and the
+    recent window in this wider storage (``--kv-mixed``)."""
+    suffix = f"{f'-mixed-{mixed}' if mixed != 'none' else ''}{'-rot' if rotation else ''}"
+    name = f"smollm2-{policy}-{dtype}{suffix}" if policy else "smollm2-plain"
     path = OUT / f"{name}{f'-w{window}' if window else ''}.edgec"
     if (path / "manifest.json").exists():
         return path
     if window:
-        return policy_variant(bundle("h2o", dtype, rotation=rotation), policy, path, window)
+        return policy_variant(bundle("h2o", dtype, rotation=rotation, mixed=mixed), policy, path, window)
     if policy and policy != "h2o":
-        return policy_variant(bundle("h2o", dtype, rotation=rotation), policy, path)
+        return policy_variant(bundle("h2o", dtype, rotation=rotation, mixed=mixed), policy, path)
     command = [sys.executable, "-m", "edgec.cli", "build", str(models.smollm2_gguf()), "-o", str(path)]
     command += ["--context", str(CONTEXT), "--overwrite"]
     if policy:
@@ -58,6 +62,8 @@ def bundle(policy: str | None, dtype: str | None, window: int | None = None, rot
         command += ["--kv-capacity", str(CONTEXT // 2)]
         if rotation:
             command += ["--kv-rotation", "hadamard"]
+        if mixed != "none":
+            command += ["--kv-mixed", mixed]
     started = time.time()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     print(f"built {path.name} in {time.time() - started:.0f} s", flush=True)
@@ -118,6 +124,10 @@ def perplexity(path: Path, ids: list[int], capacity: int | None, threads: int) -
 def kv_bytes(path: Path, capacity: int | None, tokens: int) -> float:
     cache = json.loads((path / "manifest.json").read_text())["cache"]
     per_token = cache.get("kv_bytes_per_token") or 46_080
+    if capacity and (cache.get("compression") or {}).get("mixed", "none") != "none":
+        from edgec.kvcache.spec import CacheSpec  # two pools: the mean per slot depends on the slot count
+
+        per_token = CacheSpec.from_json(cache).with_capacity(capacity).kv_bytes_per_token()
     return per_token * min(capacity or tokens, tokens) / tokens
 
 
@@ -129,7 +139,10 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only print the table and plot from the last run")
     parser.add_argument("--split-only", choices=["int8", "int4"], help="only the window = capacity/2 rows")
     parser.add_argument(
-        "--rotation-rows", nargs="*", choices=["int8", "int4-rot", "int4"], help="only these 25 %% rows (rotation)"
+        "--rotation-rows",
+        nargs="*",
+        choices=["int8", "int4-rot", "int4", "int4-mixed", "int4-mixed-rot"],
+        help="only these 25 %% rows (rotation; mixed: sinks and window in int8, --kv-mixed)",
     )
     args = parser.parse_args()
     done_path = models.OUT / f"kv_quality_rows_{args.tokens}.jsonl"  # finished rows survive an interrupted run
@@ -148,14 +161,21 @@ def main() -> None:
     finished = [json.loads(line) for line in done_path.read_text().splitlines()] if done_path.exists() else []
 
     def score(
-        label: str, policy: str, dtype: str, path: Path, fraction: float | None, window: int = 64, rotation="none"
+        label: str,
+        policy: str,
+        dtype: str,
+        path: Path,
+        fraction: float | None,
+        window: int = 64,
+        rotation="none",
+        mixed="none",
     ) -> None:
         capacity = None if fraction is None else int(args.tokens * fraction)
         if policy != "-" and capacity is None:
             capacity = args.tokens  # full capacity: no eviction, storage only
         for row in finished:
             key = (row["policy"], row["dtype"], row["capacity"], row.get("window", 64), row.get("rotation", "none"))
-            if key == (policy, dtype, capacity or args.tokens, window, rotation):
+            if key + (row.get("mixed", "none"),) == (policy, dtype, capacity or args.tokens, window, rotation, mixed):
                 rows.append(row)
                 return
         started = time.time()
@@ -168,6 +188,7 @@ def main() -> None:
             "fraction": fraction or 1.0,
             "window": window,
             "rotation": rotation,
+            **({"mixed": mixed} if mixed != "none" else {}),
             "kv_bytes_per_token": kv_bytes(path, capacity, args.tokens),
             "perplexity": value,
             "seconds": round(time.time() - started, 1),
@@ -187,6 +208,11 @@ def main() -> None:
             score("25.0% capacity, rotated", "snapkv", "int4", rotated, 0.25, rotation="hadamard")
         if "int4" in args.rotation_rows:
             score("25.0% capacity", "snapkv", "int4", bundle("snapkv", "int4"), 0.25)
+        for rot in (True, False):
+            if f"int4-mixed{'-rot' if rot else ''}" in args.rotation_rows:
+                mixed = bundle("snapkv", "int4", rotation=rot, mixed="int8")
+                label = f"25.0% capacity, sinks + window int8{', rotated' if rot else ''}"
+                score(label, "snapkv", "int4", mixed, 0.25, rotation="hadamard" if rot else "none", mixed="int8")
         print_table(rows)
         return
     score("full capacity", "h2o", "int8", bundle("h2o", "int8"), None)
@@ -235,7 +261,8 @@ def _reading_order(row: dict) -> tuple:
     split = row.get("window", 64) != 64
     policy = POLICIES.index(row["policy"]) if row["policy"] in POLICIES else -1
     rotated = row.get("rotation", "none") != "none"
-    return (row["policy"] != "-", -row["fraction"], dtypes.index(row["dtype"]), rotated, split, policy)
+    mixed = row.get("mixed", "none") != "none"
+    return (row["policy"] != "-", -row["fraction"], dtypes.index(row["dtype"]), mixed, rotated, split, policy)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -252,7 +279,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def rotated(row: dict) -> str:
-    return "" if row.get("rotation", "none") == "none" else f" + {row['rotation']}"
+    mixed = "" if row.get("mixed", "none") == "none" else f" (sinks + window {row['mixed']})"
+    return mixed + ("" if row.get("rotation", "none") == "none" else f" + {row['rotation']}")
 
 
 def plot(rows: list[dict], path: Path) -> None:

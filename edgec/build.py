@@ -25,6 +25,7 @@ VALIDATION_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
 Progress = Callable[..., None]  # (stage) as each stage starts; (stage, done, total) inside a long one
 BUILDABLE_WEIGHTS = ("fp32", "fp16", "fp8", "int8", "int4")
 QUANT_METHODS = ("rtn", "awq", "gptq")
+MIXED_TARGETS = ("cpu", "cpu-portable")  # --kv-mixed: the ONNX Runtime CPU targets (data-dependent shapes)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,17 @@ def plan_build(settings: BuildSettings, shape: ModelShape, max_context: int | No
             f"--kv-plugin on and --kv-rotation {kv.rotation}: the plugin's kernel reads an unrotated cache; "
             "build with one of them"
         )
+    if kv is not None and kv.mixed != "none":
+        if settings.kv_plugin:
+            raise BuildSettingsError(
+                f"--kv-plugin on and --kv-mixed {kv.mixed}: the plugin's kernel reads one slot pool; build with one "
+                "of them"
+            )
+        if target.name not in MIXED_TARGETS:
+            raise BuildSettingsError(
+                f"--kv-mixed {kv.mixed} is built for the ONNX Runtime CPU targets ({', '.join(MIXED_TARGETS)}); "
+                f"{target.name} reads one slot pool: use --kv-mixed none"
+            )
     choices = Choices(target, weights, context, kv, weight_options(target, settings, weights), settings.kv_plugin)
     passes, options = passes_for(choices)
     plan = Plan(target, shape, context, prefill_chunk, weights, kv, passes, options)
@@ -205,6 +217,9 @@ def check_fits(plan: Plan, kv_dtype: str) -> None:
         prefill_chunk=plan.prefill_chunk,
         capacity_fraction=capacity / plan.context,
         kv_group=plan.kv.group if plan.kv else Settings.kv_group,
+        kv_mixed=plan.kv.mixed if plan.kv else Settings.kv_mixed,
+        kv_sink=plan.kv.sink if plan.kv else Settings.kv_sink,
+        kv_window=plan.kv.window if plan.kv else Settings.kv_window,
     )
     memory_plan(plan.shape, plan.target, settings, fixed=frozenset({"weights", "kv", "prefill_chunk", "capacity"}))
 

@@ -367,12 +367,18 @@ def targets() -> None:
 @click.option("--kv", type=click.Choice(["fp32", "fp16", "fp8", "int8", "int4"]), default=None)
 @click.option("--prefill-chunk", type=int, default=None)
 @click.option(
+    "--kv-mixed",
+    type=click.Choice(["none", "int8", "fp16"]),
+    default="none",
+    help="The sinks and recent window (sink + window slots per head) in this wider storage (edgec build --kv-mixed).",
+)
+@click.option(
     "--memory",
     default=None,
     help="The device's memory (6GB, 8GiB, 512MiB) in place of the target's; the target's usable share and "
     "runtime overhead still apply.",
 )
-def plan(model, target, context, weights, kv, prefill_chunk, memory) -> None:
+def plan(model, target, context, weights, kv, prefill_chunk, kv_mixed, memory) -> None:
     """Will MODEL fit TARGET, and with which settings? Needs only a config (no weights). Ends with the
     `edgec build` line that builds the plan.
 
@@ -390,7 +396,7 @@ def plan(model, target, context, weights, kv, prefill_chunk, memory) -> None:
     from edgec.plan import plan as make_plan
 
     memory_bytes = parse_memory(memory) if memory is not None else None
-    shape, chosen = _plan_inputs(model, target, context, weights, kv, prefill_chunk)
+    shape, chosen = _plan_inputs(model, target, context, weights, kv, prefill_chunk, kv_mixed)
     estimate = make_plan(shape, with_memory(chosen[0], memory_bytes), chosen[1], fixed=chosen[2])
     table = Table("", "", title=f"{shape.name} on {estimate.target.name}: fits")
     for key, value in estimate.table():
@@ -419,8 +425,10 @@ def plain_console():
     return console
 
 
-def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk):
+def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk, kv_mixed="none"):
+    from edgec.build import MIXED_TARGETS
     from edgec.errors import BuildSettingsError
+    from edgec.kvcache.quantize import bytes_per_value
     from edgec.plan import Settings, model_shape
     from edgec.targets import load_target
 
@@ -436,7 +444,14 @@ def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk):
         kv=kv or target.defaults.get("kv", "fp32"),
         context=context or shape.max_context or 4096,
         prefill_chunk=prefill_chunk or int(target.defaults.get("prefill_chunk", 512)),
+        kv_mixed=kv_mixed,
     )
+    narrower = kv is not None and kv_mixed != "none" and bytes_per_value(kv_mixed, 32) > bytes_per_value(kv, 32)
+    if kv_mixed != "none" and (target.name not in MIXED_TARGETS or not narrower):
+        raise BuildSettingsError(
+            f"--kv-mixed {kv_mixed} plans the ONNX Runtime CPU targets ({', '.join(MIXED_TARGETS)}) with a narrower "
+            f"--kv given (int4 under int8; int4/int8/fp8 under fp16); got {target.name}, --kv {kv}"
+        )
     fixed = frozenset(n for n, v in (("weights", weights), ("kv", kv), ("prefill_chunk", prefill_chunk)) if v)
     return shape, (target, settings, fixed)
 
@@ -966,6 +981,12 @@ def inspect(bundle) -> None:
             f"sink {compression['sink']}, window {compression['window']}, prefill-compress "
             f"{compression['prefill_compress']}; k+v {cache.get('kv_bytes_per_token', 0):,.0f} bytes/token"
         )
+        if compression.get("mixed", "none") != "none":
+            wide = compression["sink"] + compression["window"]
+            say(
+                f"  mixed precision: {wide} slots per head (sinks, window, protected) in {compression['mixed']}, "
+                f"the other {compression['capacity'] - wide} in {compression['dtype']}"
+            )
         if compression.get("rotation", "none") != "none":
             say(f"  rotated before storage: {compression['rotation']} (seed {compression['rotation_seed']})")
     if cache.get("ring_kv_bytes"):

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from edgec.kvcache.compression import Compression
-from edgec.kvcache.spec import COMPRESSED_STATE, compressed_state
+from edgec.kvcache.quantize import bytes_per_value
+from edgec.kvcache.spec import COMPRESSED_STATE, MIXED_STATE, compressed_state
 
 NUMBER = (int, float)
 
@@ -130,7 +131,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "cache.layers[].head_dim": (1, 4_096),
     "cache.layers[].capacity": (1, MAX_TOKENS),
     "cache.layers[].window": (0, MAX_TOKENS),
-    "cache.layers[].state#": (1, len(COMPRESSED_STATE)),
+    "cache.layers[].state#": (1, len(COMPRESSED_STATE) + len(MIXED_STATE)),
     "cache.compression.capacity": (1, MAX_TOKENS),
     "cache.compression.sink": (0, MAX_TOKENS),
     "cache.compression.window": (1, MAX_TOKENS),
@@ -171,7 +172,7 @@ CHOICES: dict[str, tuple[str, ...] | re.Pattern[str]] = {
     "cache.dtype": ("float32", "float16"),
     # the compressed cache's settings with a fixed vocabulary, as the type that owns them declares it
     **{f"cache.compression.{name}": option.allowed() for name, _, option in Compression.options() if option.choices},
-    "cache.layers[].state[]": COMPRESSED_STATE,  # a plain layer's state is a subset
+    "cache.layers[].state[]": COMPRESSED_STATE + MIXED_STATE,  # a plain layer's state is a subset
     "build_settings.protect": re.compile(r" *(numbers|names) *(, *(numbers|names) *)?"),  # runtime/protect.py
     "runtime.protect": re.compile(r" *(numbers|names) *(, *(numbers|names) *)?"),
 }
@@ -380,6 +381,11 @@ def relation_errors(manifest: dict[str, Any]) -> list[str]:
     if compression:
         if compression["capacity"] < compression["sink"] + compression["window"] + 1:
             errors.append("cache.compression.capacity must exceed its sink + window")
+        mixed = compression.get("mixed", "none")
+        if mixed != "none" and bytes_per_value(mixed, compression["group"]) <= bytes_per_value(
+            compression["dtype"], compression["group"]
+        ):
+            errors.append("cache.compression.mixed must be wider storage than cache.compression.dtype")
         quantized = compression["dtype"] in ("int8", "fp8", "int4")
         for layer in layers:
             if layer.get("compressed") and quantized and layer["head_dim"] % compression["group"]:

@@ -121,17 +121,20 @@ def _external_problems(graph_file: str, tensor: str, entries: dict[str, str], fi
 def _interface_problems(graph_file: str, graph: GraphScan, manifest: dict[str, Any]) -> list[str]:
     """The graph's inputs and outputs against what the runtime will bind from the manifest: the cache state of
     every layer (names, element types, fixed dimensions), the step inputs and the logits."""
-    from edgec.kvcache.spec import CacheSpec
+    from edgec.kvcache.spec import MIXED_STATE, CacheSpec
 
     spec = CacheSpec.from_json(manifest["cache"])
     expected: dict[str, tuple[int, tuple[int, ...]]] = {}
     outputs = {}
     for layer in spec.layers:
         # one slot is enough to learn each tensor's element type and shape; the slot dimension is the capacity
-        arrays = spec.empty_layer(layer, slots=1)
+        # (a mixed cache: its wide pool's slots, fixed, and the rest)
+        wide = spec.compression.hi_slots if layer.compressed else 0
+        arrays = spec.empty_layer(layer, slots=wide + 1)
         for tensor in layer.tensors():
             array = arrays[tensor.name]
-            shape = tuple(layer.capacity if axis == 2 else size for axis, size in enumerate(array.shape))
+            slots = wide if tensor.name in MIXED_STATE else layer.capacity - wide
+            shape = tuple(slots if axis == 2 else size for axis, size in enumerate(array.shape))
             expected[tensor.input] = (ONNX_TYPES.get(array.dtype.name, -1), shape)
             outputs[tensor.input] = tensor.output
     problems = []

@@ -75,6 +75,10 @@ class Settings:
     capacity_fraction: float = 1.0
     prefill_chunk: int = 512
     kv_group: int = Compression.group  # channels per scale of a quantized cache (--kv-group)
+    # a mixed-precision cache (--kv-mixed): sink + window slots per head in this wider storage
+    kv_mixed: str = Compression.mixed
+    kv_sink: int = Compression.sink
+    kv_window: int = Compression.window
 
     @property
     def capacity(self) -> int:
@@ -106,6 +110,9 @@ class Estimate:
     def fits(self) -> bool:
         return self.total_bytes <= self.target.usable_bytes
 
+    def _mixed(self) -> str:
+        return _mixed_text(self.settings)
+
     def table(self) -> list[tuple[str, str]]:
         gb = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
         return [
@@ -114,11 +121,17 @@ class Estimate:
                 f"{gb(self.weights_bytes)} ({self.model.parameters() / 1e6:,.0f} M params, {self.settings.weights}"
                 + (", one copy per static graph)" if self.target.static_shapes else ")"),
             ),
-            ("KV cache", f"{gb(self.kv_bytes)} ({self.settings.capacity} slots, {self.settings.kv})"),
+            ("KV cache", f"{gb(self.kv_bytes)} ({self.settings.capacity} slots, {self.settings.kv}{self._mixed()})"),
             ("activations", f"{gb(self.activation_bytes)} (prefill chunk {self.settings.prefill_chunk})"),
             ("total", gb(self.total_bytes)),
             ("usable on target", f"{gb(self.target.usable_bytes)} of {gb(self.target.memory_bytes)}"),
         ]
+
+
+def _mixed_text(settings: Settings) -> str:
+    if settings.kv_mixed == "none":
+        return ""
+    return f"; sinks + window ({settings.kv_sink + settings.kv_window} slots) {settings.kv_mixed}"
 
 
 def estimate(model: ModelShape, target: Target, settings: Settings, concessions: tuple[str, ...] = ()) -> Estimate:
@@ -134,16 +147,25 @@ def estimate(model: ModelShape, target: Target, settings: Settings, concessions:
     windows = model.layer_windows()
     # a slot's bytes come from the cache contract the bundle will carry (CacheSpec sizes slots the same way), so
     # the plan and the built bundle's `cache.bytes_per_token` cannot disagree
-    compression = Compression(dtype=settings.kv, group=settings.kv_group)
+    compression = Compression(
+        dtype=settings.kv,
+        group=settings.kv_group,
+        mixed=settings.kv_mixed,
+        sink=settings.kv_sink,
+        window=settings.kv_window,
+    )
     per_global_slot = model.kv_heads * (
         compression.bytes_per_slot(model.head_dim)
         if compressed
         else 2 * model.head_dim * bytes_per_value(settings.kv, compression.group)
     )
+    if compression.hi_slots:  # two pools: the wide one's slots cost more (CacheSpec counts them the same way)
+        per_global_layer = model.kv_heads * compression.bytes_for_slots(model.head_dim, settings.capacity)
+    else:
+        per_global_layer = settings.capacity * per_global_slot
     per_ring_slot = model.kv_heads * (2 * model.head_dim * compute + 8)
     kv = sum(
-        min(settings.context, window + chunk) * per_ring_slot if window else settings.capacity * per_global_slot
-        for window in windows
+        min(settings.context, window + chunk) * per_ring_slot if window else per_global_layer for window in windows
     )
     # one layer's transients during a prefill chunk (hidden states, MLP, attention scores) + the logits row
     activation = compute * chunk * (8 * model.hidden + 3 * model.intermediate + model.heads * settings.capacity)
@@ -230,6 +252,8 @@ def build_command(model: str, estimate: Estimate, memory: str | None = None) -> 
     if settings.capacity_fraction < 1 or settings.kv != target.defaults.get("kv", "fp32"):
         # anything but the target's plain cache is the compressed cache: its slot count and storage
         words += ["--kv-capacity", str(settings.capacity), "--kv-dtype", settings.kv]
+    if settings.kv_mixed != "none":
+        words += ["--kv-mixed", settings.kv_mixed]
     if memory is not None:
         words += ["--memory", shlex.quote(memory)]
     return " ".join([*words, "-o", shlex.quote(f"{estimate.model.name}.{target.name}.edgec")])

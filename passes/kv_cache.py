@@ -86,9 +86,19 @@ def _compress(graph: ir.Graph, node: ir.Node, layer: LayerCache, protect: ir.Val
         "v_scale": [batch, kv_heads, SLOTS, head_dim // compression.group],
         "score": [batch, kv_heads, SLOTS],
     }
+    types = dict.fromkeys(shapes, float_type)
+    if compression.mixed != "none":  # the wide pool: a fixed number of slots (sink + window)
+        hi = compression.hi_slots
+        wide = ir.TensorType(ir.DataType(compressed_function.STORAGE_TYPES[compression.mixed]))
+        for name in ("k_hi", "v_hi"):
+            shapes[name], types[name] = [batch, kv_heads, hi, head_dim], wide
+        for name in ("k_hi_scale", "v_hi_scale"):
+            shapes[name], types[name] = [batch, kv_heads, hi, head_dim // compression.group], float_type
+        shapes["score_hi"], types["score_hi"] = [batch, kv_heads, hi], float_type
+        shapes["pos_hi"], types["pos_hi"] = [batch, kv_heads, hi], pos_cache.type
     tensors = {tensor.name: tensor for tensor in layer.tensors()}
     extra = {
-        name: ir.Value(name=tensors[name].input, type=float_type, shape=ir.Shape(shape))
+        name: ir.Value(name=tensors[name].input, type=types[name], shape=ir.Shape(shape))
         for name, shape in shapes.items()
         if name in tensors
     }

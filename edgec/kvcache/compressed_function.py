@@ -204,6 +204,17 @@ def make_function(
             b.named("MatMul", [b.op("Mul", f"{name}_unrotated", signs), matrix], name)
     scale_attr = b.attribute_ref("value_float", "scale", AttributeProto.FLOAT)
     window_attr = b.attribute_ref("value_int", "window", AttributeProto.INT)
+    if compression.mixed != "none":  # two slot pools (mixed_function.py): the same If, its own branches
+        if not data_dependent_shapes:
+            raise ValueError("a mixed-precision cache needs data-dependent shapes (ONNX Runtime targets)")
+        from edgec.kvcache import mixed_function
+
+        branches = {
+            "decode": lambda body: mixed_function.decode(body, compression, scale_attr, window_attr, heads),
+            "general": lambda body: mixed_function.body(body, compression, scale_attr, window_attr),
+        }
+        b.nodes.append(_if_decode(b, compression, branches, body_out, mixed_function.output_type))
+        return _function(b, compression, default_opset, formal, rotation)
     if not data_dependent_shapes:
         results = _general(b, compression, scale_attr, window_attr, every_slot=True)
         for name in outputs(compression):
@@ -233,6 +244,27 @@ def make_function(
         )
     )
     return _function(b, compression, default_opset, formal, rotation, fused_attention)
+
+
+def _if_decode(b: Body, compression: Compression, branches: dict, body_out: dict, output_type) -> onnx.NodeProto:
+    """``If`` T = 1 then ``branches["decode"]`` else ``branches["general"]`` (each: Body → outputs by name)."""
+    is_decode = b.op("Equal", b.op("Squeeze", b.shape("k", 2)), b.i64(1))
+    graphs = {}
+    for kind, write in branches.items():
+        branch = Body(prefix=f"{kind[0]}_")
+        results = write(branch)
+        graph_outputs = []
+        for name in outputs(compression):
+            value = branch.op("Identity", results[name], name=f"{name}_result")
+            graph_outputs.append(helper.make_tensor_value_info(value, output_type(compression, name), None))
+        graphs[kind] = helper.make_graph(branch.nodes, f"{kind}_step", [], graph_outputs)
+    return helper.make_node(
+        "If",
+        [is_decode],
+        [body_out[name] for name in outputs(compression)],
+        then_branch=graphs["decode"],
+        else_branch=graphs["general"],
+    )
 
 
 def _rotation_constants(b: Body, compression: Compression, heads: Heads) -> tuple[str, str, str, str]:
@@ -724,6 +756,9 @@ def make_schema(compression: Compression) -> onnx.defs.OpSchema:
     storage = onnx.helper.tensor_dtype_to_string(STORAGE_TYPES[compression.dtype])
     kinds = {"q": "T", "k": "T", "v": "T", "position_ids": "I", "protect": "B", "score": "F", "pos": "I"}
     kinds |= {"k_cache": "S", "v_cache": "S", "k_scale": "F", "v_scale": "F"}
+    kinds |= {"k_hi": "W", "v_hi": "W", "k_hi_scale": "F", "v_hi_scale": "F", "score_hi": "F", "pos_hi": "I"}
+    wide = STORAGE_TYPES.get(compression.mixed)  # a mixed cache's wide pool
+    wide = [("W", [onnx.helper.tensor_dtype_to_string(wide)], "wide pool storage")] if wide is not None else []
     param = onnx.defs.OpSchema.FormalParameter
     return onnx.defs.OpSchema(
         OP_TYPE,
@@ -737,6 +772,7 @@ def make_schema(compression: Compression) -> onnx.defs.OpSchema:
             ("F", ["tensor(float)"], "scales and scores"),
             ("I", ["tensor(int64)"], "positions"),
             ("B", ["tensor(bool)"], "protect flags"),
+            *wide,
         ],
         attributes=[
             onnx.defs.OpSchema.Attribute("scale", onnx.defs.OpSchema.AttrType.FLOAT, "softmax scale"),

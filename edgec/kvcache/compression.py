@@ -16,7 +16,9 @@ from edgec.kvcache.quantize import STORAGE, bytes_per_value
 from edgec.kvcache.rotation import ROTATIONS, usable
 
 PREFILL_MODES = ("end", "chunk")
-OMITTED_WHEN_OFF = ("rotation", "rotation_seed")  # settings a manifest holds only when the rotation is on
+MIXED = ("none", "int8", "fp16")  # storage of the high-precision pool (--kv-mixed); none = one pool
+# settings a manifest holds only when their feature is on (the setting that turns it on → the settings it adds)
+OMITTED_WHEN_OFF = {"rotation": ("rotation", "rotation_seed"), "mixed": ("mixed",)}
 
 
 def _policy_names() -> tuple[str, ...]:
@@ -91,6 +93,17 @@ class Compression:
         ),
     )
     rotation_seed: int = _setting(0, Option("--kv-rotation-seed", "seed of the rotation's random signs", minimum=0))
+    # mixed precision (reference.py, mixed_function.py); left out of the manifest when off, like the rotation
+    mixed: str = _setting(
+        "none",
+        Option(
+            "--kv-mixed",
+            "a second pool of sink + window slots in this wider storage (int8 or fp16) for the sinks, the recent "
+            "window and protected tokens; the other slots keep --kv-dtype (e.g. int4), a token is re-quantized "
+            "into them as it leaves the window",
+            choices=MIXED,
+        ),
+    )
 
     # --- derived from the fields -------------------------------------------------------------------------------
     @classmethod
@@ -122,7 +135,8 @@ class Compression:
     def schema(cls) -> dict[str, Any]:
         """The manifest schema of a built bundle's settings (manifest_schema.py's notation)."""
         types = {"int": int, "str": str, "float": (int, float), "int | None": int}
-        return {f"{f.name}?" if f.name in OMITTED_WHEN_OFF else f.name: types[str(f.type)] for f in fields(cls)}
+        optional = {name for names in OMITTED_WHEN_OFF.values() for name in names}
+        return {f"{f.name}?" if f.name in optional else f.name: types[str(f.type)] for f in fields(cls)}
 
     @classmethod
     def from_json(cls, data: dict) -> Compression:
@@ -131,9 +145,10 @@ class Compression:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        if self.rotation == "none":  # as before the setting existed
-            for name in OMITTED_WHEN_OFF:
-                data.pop(name)
+        for switch, names in OMITTED_WHEN_OFF.items():
+            if getattr(self, switch) == "none":  # as before the setting existed
+                for name in names:
+                    data.pop(name)
         return data
 
     # --- checks ------------------------------------------------------------------------------------------------
@@ -174,6 +189,11 @@ class Compression:
             raise BuildSettingsError(
                 f"--kv-rotation {self.rotation} needs a power-of-two head dim, got {head_dim}; use --kv-rotation none"
             )
+        if self.mixed != "none" and bytes_per_value(self.mixed, self.group) <= bytes_per_value(self.dtype, self.group):
+            raise BuildSettingsError(
+                f"--kv-mixed {self.mixed} keeps the sinks, window and protected tokens wider than the other slots: "
+                f"--kv-dtype {self.dtype} is not narrower; use --kv-dtype int4 (or int8/fp8 with --kv-mixed fp16)"
+            )
         if not self.protect_fraction < 1:
             raise BuildSettingsError(f"protect fraction must lie in [0, 1), got {self.protect_fraction}")
 
@@ -198,6 +218,20 @@ class Compression:
         """Protected slots allowed per head; the sinks and the recent window always keep their room."""
         return int(self.protect_fraction * (self.capacity - self.sink - self.window))
 
-    def bytes_per_slot(self, head_dim: int) -> float:
-        """Bytes of one token's k + v in one KV head (scales included) plus its score and position."""
-        return 2 * head_dim * bytes_per_value(self.dtype, self.group) + 4 + 8
+    @property
+    def hi_slots(self) -> int:
+        """Slots of the high-precision pool (``mixed``): the sinks and the recent window; 0 without one."""
+        return self.sink + self.window if self.mixed != "none" else 0
+
+    def bytes_per_slot(self, head_dim: int, dtype: str | None = None) -> float:
+        """Bytes of one token's k + v in one KV head (scales included) plus its score and position, stored as
+        ``dtype`` (default: the cache's; a mixed cache's slots differ by pool, see ``bytes_for_slots``)."""
+        return 2 * head_dim * bytes_per_value(dtype or self.dtype, self.group) + 4 + 8
+
+    def bytes_for_slots(self, head_dim: int, slots: int, bookkeeping: bool = True) -> float:
+        """Bytes of ``slots`` slots of one KV head (a mixed cache fills its ``hi_slots`` first); without
+        ``bookkeeping``, k + v with scales only."""
+        extra = 0 if bookkeeping else 12
+        hi = min(slots, self.hi_slots)
+        wide = self.bytes_per_slot(head_dim, self.mixed) - extra if hi else 0.0
+        return hi * wide + (slots - hi) * (self.bytes_per_slot(head_dim) - extra)

@@ -14,11 +14,15 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from edgec.kvcache.compression import Compression
-from edgec.kvcache.quantize import bytes_per_value
+from edgec.kvcache.quantize import QMAX, bytes_per_value
 
 PLAIN_STATE = ("k", "v", "pos")
 COMPRESSED_STATE = ("k", "v", "k_scale", "v_scale", "score", "pos")
+# a mixed-precision cache's second pool (Compression.mixed): the same tensors, ``hi_slots`` slots, wider storage
+MIXED_STATE = ("k_hi", "v_hi", "k_hi_scale", "v_hi_scale", "score_hi", "pos_hi")
 SCALES = ("k_scale", "v_scale")
+HI_SCALES = ("k_hi_scale", "v_hi_scale")
+POSITIONS = ("pos", "pos_hi")  # -1 = an empty slot
 PROTECT_INPUT = "protect"
 SLOT_DIM = "kv_slots"  # a compressed layer's slot count: symbolic, the graph runs on any number of slots
 STORAGE_NUMPY = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8, "fp8": np.uint8, "int4": np.uint8}
@@ -34,8 +38,27 @@ def output_name(layer: int, name: str) -> str:
 
 
 def compressed_state(compression: Compression) -> tuple[str, ...]:
-    """The state tensors of a compressed layer, in graph order (scales only for quantized storage)."""
-    return tuple(name for name in COMPRESSED_STATE if name not in SCALES or compression.quantized)
+    """The state tensors of a compressed layer, in graph order (scales only for quantized storage; the second
+    pool only for a mixed-precision cache)."""
+    names = tuple(name for name in COMPRESSED_STATE if name not in SCALES or compression.quantized)
+    if compression.mixed == "none":
+        return names
+    return names + tuple(name for name in MIXED_STATE if name not in HI_SCALES or compression.mixed in QMAX)
+
+
+def _pool(layer: LayerCache, slots: int, dtype: str, group: int, suffix: str) -> dict[str, np.ndarray]:
+    """Empty arrays of one slot pool of a compressed layer (``suffix`` "_hi": the mixed cache's wide pool)."""
+    shape = (1, layer.num_kv_heads, slots)
+    stored = shape + (layer.head_dim // 2 if dtype == "int4" else layer.head_dim,)
+    scales = shape + (layer.head_dim // group,)
+    return {
+        f"k{suffix}": np.zeros(stored, STORAGE_NUMPY[dtype]),
+        f"v{suffix}": np.zeros(stored, STORAGE_NUMPY[dtype]),
+        f"k{suffix}_scale": np.zeros(scales, np.float32),
+        f"v{suffix}_scale": np.zeros(scales, np.float32),
+        f"score{suffix}": np.zeros(shape, np.float32),
+        f"pos{suffix}": np.full(shape, -1, np.int64),
+    }
 
 
 @dataclass(frozen=True)
@@ -131,12 +154,11 @@ class CacheSpec:
             arrays |= {"k": np.zeros(shape, dtype), "v": np.zeros(shape, dtype)}
         else:
             compression = self.compression
-            storage = STORAGE_NUMPY[compression.dtype]
-            stored_shape = shape[:3] + (layer.head_dim // 2 if compression.dtype == "int4" else layer.head_dim,)
-            scale_shape = shape[:3] + (layer.head_dim // compression.group,)
-            arrays |= {"k": np.zeros(stored_shape, storage), "v": np.zeros(stored_shape, storage)}
-            arrays |= {"k_scale": np.zeros(scale_shape, np.float32), "v_scale": np.zeros(scale_shape, np.float32)}
-            arrays["score"] = np.zeros(shape[:3], np.float32)
+            # a mixed cache's ``capacity`` counts both pools: the wide one has hi_slots, the narrow one the rest
+            hi = compression.hi_slots
+            arrays = _pool(layer, capacity - hi, compression.dtype, compression.group, "")
+            if hi:
+                arrays |= _pool(layer, hi, compression.mixed, compression.group, "_hi")
         return {name: arrays[name] for name in layer.state}
 
     def empty_state(self, compressed_slots: int | None = None) -> list[tuple[StateTensor, np.ndarray]]:
@@ -186,22 +208,39 @@ class CacheSpec:
         return replace(self, layers=layers, compression=compression)
 
     # --- sizes ---------------------------------------------------------------------------------------------------
+    def _mixed(self, layer: LayerCache) -> bool:
+        return layer.compressed and self.compression.hi_slots > 0
+
+    def _layer_bytes(self, layer: LayerCache, slots: int) -> float:
+        """Bytes ``slots`` cached tokens cost in all KV heads of ``layer`` (a mixed cache fills its wide pool
+        first)."""
+        if self._mixed(layer):
+            return layer.num_kv_heads * self.compression.bytes_for_slots(layer.head_dim, slots)
+        return layer.num_kv_heads * slots * self._slot_bytes(layer)
+
     def _slot_bytes(self, layer: LayerCache) -> float:
-        """Bytes one cached token costs in one KV head of ``layer``."""
+        """Bytes one cached token costs in one KV head of ``layer``: a mixed cache's mean over its capacity."""
+        if self._mixed(layer):
+            return self.compression.bytes_for_slots(layer.head_dim, layer.capacity) / layer.capacity
         if layer.compressed:
             return self.compression.bytes_per_slot(layer.head_dim)
         itemsize = {"float32": 4, "float16": 2}[self.dtype]
         return 2 * layer.head_dim * itemsize + (8 if "pos" in layer.state else 0)
 
     def bytes_per_token(self) -> int:
-        """KV bytes one cached token costs across all layers (k + v, scales, score, position)."""
+        """KV bytes one cached token costs across all layers (k + v, scales, score, position; a mixed cache's
+        mean over its two pools at full capacity)."""
         return int(sum(layer.num_kv_heads * self._slot_bytes(layer) for layer in self.layers))
 
     def _kv_value_bytes(self, layer: LayerCache) -> float:
+        compression = self.compression
+        if self._mixed(layer):
+            mean = compression.bytes_for_slots(layer.head_dim, layer.capacity, bookkeeping=False) / layer.capacity
+            return layer.num_kv_heads * mean
+        if layer.compressed:
+            return layer.num_kv_heads * 2 * layer.head_dim * bytes_per_value(compression.dtype, compression.group)
         plain = {"float32": "fp32", "float16": "fp16"}[self.dtype]
-        dtype = self.compression.dtype if layer.compressed else plain
-        group = self.compression.group if layer.compressed else 32
-        return layer.num_kv_heads * 2 * layer.head_dim * bytes_per_value(dtype, group)
+        return layer.num_kv_heads * 2 * layer.head_dim * bytes_per_value(plain, 32)
 
     def kv_bytes_per_token(self) -> float:
         """k + v bytes (scales included, bookkeeping excluded) per cached token in the layers whose cache grows
@@ -223,13 +262,11 @@ class CacheSpec:
         """Bytes of the cache state that ``tokens`` tokens of context fill: each layer holds min(its slots, tokens)
         (compressed layers and sliding-window rings stop growing at their capacity; ``total_bytes`` is what the
         runtime allocates)."""
-        return int(
-            sum(layer.num_kv_heads * min(layer.capacity, tokens) * self._slot_bytes(layer) for layer in self.layers)
-        )
+        return int(sum(self._layer_bytes(layer, min(layer.capacity, tokens)) for layer in self.layers))
 
     def total_bytes(self) -> int:
         """Bytes of the whole cache state at full capacity."""
-        return int(sum(layer.num_kv_heads * layer.capacity * self._slot_bytes(layer) for layer in self.layers))
+        return int(sum(self._layer_bytes(layer, layer.capacity) for layer in self.layers))
 
     # --- the manifest --------------------------------------------------------------------------------------------
     def to_json(self) -> dict:

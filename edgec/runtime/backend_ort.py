@@ -36,7 +36,7 @@ import onnxruntime as ort
 
 from edgec.errors import BundleError
 from edgec.kvcache.reference import select_slots
-from edgec.kvcache.spec import PROTECT_INPUT, CacheSpec, StateTensor
+from edgec.kvcache.spec import POSITIONS, PROTECT_INPUT, CacheSpec, StateTensor
 
 StateEntry = tuple[StateTensor, ort.OrtValue]  # a state tensor and the buffer holding it (host or device)
 GPU_PROVIDERS = {"CUDAExecutionProvider": "cuda"}  # providers whose cache state lives in device memory
@@ -228,7 +228,7 @@ class OrtCacheState:
         kept, and whatever finite values it holds are overwritten when it is filled."""
         self._active = self._state
         for tensor, value in self._state:
-            if tensor.name == "pos":
+            if tensor.name in POSITIONS:  # a mixed cache's wide pool has its own
                 value.update_inplace(np.full(value.shape(), -1, np.int64))
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:

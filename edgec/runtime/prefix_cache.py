@@ -154,7 +154,7 @@ def read_state(path: Path, identity: str, expected: dict[str, tuple], context: i
     if flags.max() > 1:
         raise StateFileError(f"{where} holds protect flags other than 0 and 1")
     for name, value in arrays.items():
-        if name.endswith(".pos") and (value.min() < -1 or value.max() >= tokens):
+        if name.endswith((".pos", ".pos_hi")) and (value.min() < -1 or value.max() >= tokens):
             raise StateFileError(f"{where}: {name} holds positions outside the saved prompt")
         if value.dtype.kind == "f" and np.isnan(value).any():
             raise StateFileError(f"{where}: {name} holds NaN")

@@ -23,6 +23,7 @@ def test_flags_are_derived_from_the_fields():
         "prefill_compress": "prefill_compress",
         "kv_rotation": "rotation",
         "kv_rotation_seed": "rotation_seed",
+        "kv_mixed": "mixed",
     }
     assert Compression.from_flags({"capacity": None, "dtype": None}) is None  # nothing asked for
     assert Compression.from_flags({"dtype": "int8"}) == Compression(dtype="int8")
@@ -34,8 +35,9 @@ def test_schema_is_derived_from_the_fields():
     built = Compression(dtype="int8").resolved(4096)
     assert schema_errors(built.to_json(), Compression.schema()) == []
     assert schema_errors({**built.to_json(), "group": "32"}, Compression.schema())
-    assert {name.rstrip("?") for name in Compression.schema()} == set(built.to_json()) | {"rotation", "rotation_seed"}
-    rotated = Compression(dtype="int4", rotation="hadamard").resolved(4096)
+    optional = {"rotation", "rotation_seed", "mixed"}
+    assert {name.rstrip("?") for name in Compression.schema()} == set(built.to_json()) | optional
+    rotated = Compression(dtype="int4", rotation="hadamard", mixed="int8").resolved(4096)
     assert schema_errors(rotated.to_json(), Compression.schema()) == []
     assert set(rotated.to_json()) == {name.rstrip("?") for name in Compression.schema()}
 
