@@ -111,6 +111,12 @@ def plan_build(settings: BuildSettings, shape: ModelShape, max_context: int | No
             f"--kv-plugin on and --kv-rotation {kv.rotation}: the plugin's kernel reads an unrotated cache; "
             "build with one of them"
         )
+    if kv is not None and kv.recall and (target.runtime != "ort-cpu" or settings.kv_plugin):
+        raise BuildSettingsError(
+            f"--kv-recall (the hierarchical cache) is built for ONNX Runtime on the CPU (targets cpu, cpu-portable): "
+            f"its runtime writes recalled tokens into host buffers between steps; not for {target.name} "
+            f"({target.runtime}{', --kv-plugin on' if settings.kv_plugin else ''}); build with --kv-recall 0"
+        )
     choices = Choices(target, weights, context, kv, weight_options(target, settings, weights), settings.kv_plugin)
     passes, options = passes_for(choices)
     plan = Plan(target, shape, context, prefill_chunk, weights, kv, passes, options)

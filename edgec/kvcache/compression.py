@@ -17,6 +17,8 @@ from edgec.kvcache.rotation import ROTATIONS, usable
 
 PREFILL_MODES = ("end", "chunk")
 OMITTED_WHEN_OFF = ("rotation", "rotation_seed")  # settings a manifest holds only when the rotation is on
+# settings a manifest holds only when recall is on (kvcache/recall.py), so other bundles stay byte-identical
+RECALL_FIELDS = ("recall", "recall_block", "recall_every")
 
 
 def _policy_names() -> tuple[str, ...]:
@@ -91,6 +93,25 @@ class Compression:
         ),
     )
     rotation_seed: int = _setting(0, Option("--kv-rotation-seed", "seed of the rotation's random signs", minimum=0))
+    # hierarchical cache (edgec/kvcache/recall.py, docs/kv-cache.md): every token also lives in a host tier of the
+    # runtime; before each step the blocks whose key summaries score highest against the last query are copied
+    # into recall × recall_block reserved slots. The graph gains the query outputs; the rest is the runtime's
+    recall: int = _setting(
+        0,
+        Option(
+            "--kv-recall",
+            "hierarchical cache: blocks recalled per KV head into reserved slots from the host tier of every "
+            "token (0 = off; ONNX Runtime CPU targets)",
+            minimum=0,
+            at_load=True,
+        ),
+    )
+    recall_block: int = _setting(
+        16, Option("--kv-recall-block", "tokens per host-tier block (one key summary each)", minimum=1, at_load=True)
+    )
+    recall_every: int = _setting(
+        1, Option("--kv-recall-every", "decode steps between recalls", minimum=1, at_load=True)
+    )
 
     # --- derived from the fields -------------------------------------------------------------------------------
     @classmethod
@@ -122,7 +143,8 @@ class Compression:
     def schema(cls) -> dict[str, Any]:
         """The manifest schema of a built bundle's settings (manifest_schema.py's notation)."""
         types = {"int": int, "str": str, "float": (int, float), "int | None": int}
-        return {f"{f.name}?" if f.name in OMITTED_WHEN_OFF else f.name: types[str(f.type)] for f in fields(cls)}
+        optional = OMITTED_WHEN_OFF + RECALL_FIELDS
+        return {f"{f.name}?" if f.name in optional else f.name: types[str(f.type)] for f in fields(cls)}
 
     @classmethod
     def from_json(cls, data: dict) -> Compression:
@@ -133,6 +155,9 @@ class Compression:
         data = asdict(self)
         if self.rotation == "none":  # as before the setting existed
             for name in OMITTED_WHEN_OFF:
+                data.pop(name)
+        if not self.recall:
+            for name in RECALL_FIELDS:
                 data.pop(name)
         return data
 
@@ -176,6 +201,12 @@ class Compression:
             )
         if not self.protect_fraction < 1:
             raise BuildSettingsError(f"protect fraction must lie in [0, 1), got {self.protect_fraction}")
+        if self.recall and self.capacity - self.recall_slots < self.sink + self.window + self.max_protected + 1:
+            raise BuildSettingsError(
+                f"--kv-recall {self.recall} × --kv-recall-block {self.recall_block} reserves {self.recall_slots} of "
+                f"{self.capacity} slots: the rest must exceed the sink, the recent window and the protected tokens "
+                f"({self.sink} + {self.window} + {self.max_protected}); recall fewer blocks or raise --kv-capacity"
+            )
 
     def override(self, head_dim: int, **changes: Any) -> Compression:
         """These settings with the changes a loaded bundle may take (``Option.at_load``), checked as a build
@@ -197,6 +228,11 @@ class Compression:
     def max_protected(self) -> int:
         """Protected slots allowed per head; the sinks and the recent window always keep their room."""
         return int(self.protect_fraction * (self.capacity - self.sink - self.window))
+
+    @property
+    def recall_slots(self) -> int:
+        """Slots per head reserved for recalled tokens (0 without recall): the last ones of each head."""
+        return self.recall * self.recall_block
 
     def bytes_per_slot(self, head_dim: int) -> float:
         """Bytes of one token's k + v in one KV head (scales included) plus its score and position."""

@@ -1,0 +1,152 @@
+"""The hierarchical cache's host tier: every token of a compressed layer, in its storage dtype, with key summaries
+per block of positions, and the choice of which tokens to recall into the reserved slots. numpy only; the runtime
+(``edgec/runtime/recall_state.py``) owns the state and calls this between steps.
+
+The tiers (docs/kv-cache.md, "Recall"):
+- the slots the graph reads: per KV head, ``capacity - R`` slots that the op fills and evicts as always, then
+  ``R = recall × recall_block`` reserved slots that the runtime writes and the op never evicts (score +inf, the
+  op's mark for protected) — they are replaced at the next recall;
+- the host tier: every token the layer has seen, at its position, as the op stored it (same bytes and scales). It
+  is inclusive — a token is copied there when it enters the slots, not when it leaves them — so no eviction has to
+  be predicted or reported by the graph: whatever the op evicts (the ArgMin slot of a step, a chunk's losers, a
+  pruning policy's drops) is already there. ``HostTier.add`` takes the new tokens after each call;
+- summaries: per block of ``recall_block`` positions and KV head, the per-channel min and max of the dequantized
+  keys. Quest's bound ``Σ_d max(q_d·min_d, q_d·max_d)`` is at least ``q·k`` for every key of the block, computed
+  as ``q⁺·max + q⁻·min`` (two small products per layer);
+- recall: blocks are ranked by their bound against the last query (the highest of the KV head's query heads);
+  the tokens of the best blocks that are not in the op's own slots fill the reserved ones, in block order.
+  Sinks, recent-window and protected tokens that sit in the reserved slots go first, so what the op would never
+  evict is never dropped by a recall either.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgec.kvcache.quantize import dequantize
+
+GROWTH = 1024  # the host tier grows by at least this many positions at a time
+
+
+def upper_bounds(query: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """query [Hq, D], low/high [Hkv, blocks, D] → [Hkv, blocks]: for each block, an upper bound of q·k over its
+    keys (Quest), the highest over the query heads that read the KV head."""
+    kv_heads = low.shape[0]
+    grouped = query.reshape(kv_heads, -1, query.shape[-1]).astype(np.float32)  # [Hkv, G, D]
+    positive, negative = np.maximum(grouped, 0), np.minimum(grouped, 0)
+    bound = positive @ high.transpose(0, 2, 1) + negative @ low.transpose(0, 2, 1)  # [Hkv, G, blocks]
+    return bound.max(axis=1)
+
+
+def choose(bound: np.ndarray, candidate: np.ndarray, forced: np.ndarray, block: int, slots: int) -> np.ndarray:
+    """The positions to recall, [Hkv, slots] (-1 = nothing): the candidate tokens ([Hkv, N] bool: in the host
+    tier, not in the op's slots) of the blocks with the highest ``bound`` [Hkv, blocks], best block first;
+    ``forced`` candidates (never to be dropped) first of all."""
+    kv_heads, length = candidate.shape
+    blocks = bound.shape[1]
+    padded = np.zeros((kv_heads, blocks * block), bool)
+    padded[:, :length] = candidate
+    counts = padded.reshape(kv_heads, blocks, block).sum(-1)
+    urgent = np.zeros((kv_heads, blocks * block), bool)
+    urgent[:, :length] = forced & candidate
+    key = np.where(counts > 0, bound, -np.inf)
+    key = np.where(urgent.reshape(kv_heads, blocks, block).any(-1), np.inf, key)
+    order = np.argsort(-key, axis=-1, kind="stable")
+    # enough of the best blocks to fill the slots on every head
+    taken = np.cumsum(np.take_along_axis(counts, order, -1), axis=-1)
+    needed = int(np.minimum((taken < slots).sum(-1) + 1, blocks).max()) if blocks else 0
+    tokens = (order[:, :needed, None] * block + np.arange(block)).reshape(kv_heads, -1)  # [Hkv, needed·block]
+    rows = np.arange(kv_heads)[:, None]
+    valid = padded[rows, tokens]
+    rank = np.where(valid, np.where(urgent[rows, tokens], 0, 1), 2)
+    picked = np.take_along_axis(tokens, np.argsort(rank, axis=-1, kind="stable"), -1)[:, :slots]
+    picked_valid = np.take_along_axis(valid, np.argsort(rank, axis=-1, kind="stable"), -1)[:, :slots]
+    chosen = np.full((kv_heads, slots), -1, np.int64)
+    chosen[:, : picked.shape[1]] = np.where(picked_valid, picked, -1)
+    return chosen
+
+
+class HostTier:
+    """Every token one compressed layer has seen, by position: its stored k, v (and scales) per KV head, whether
+    it is there (``present``), whether it was protected, and the min/max key summary of each block."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, compression, stored: dict[str, tuple[tuple, type]]) -> None:
+        """``stored``: state name → (trailing shape, numpy dtype) of the tensors kept (k, v, k_scale, v_scale)."""
+        self.heads, self.dim, self.compression = num_kv_heads, head_dim, compression
+        self.block = compression.recall_block
+        self._layout = stored
+        self.clear()
+
+    def clear(self) -> None:
+        self.length = 0  # positions [0, length) have room
+        self.arrays = {name: np.zeros((self.heads, 0, *shape), dtype) for name, (shape, dtype) in self._layout.items()}
+        self.present = np.zeros((self.heads, 0), bool)
+        self.protected = np.zeros((self.heads, 0), bool)
+        self.low = np.zeros((self.heads, 0, self.dim), np.float32)
+        self.high = np.zeros((self.heads, 0, self.dim), np.float32)
+
+    @property
+    def blocks(self) -> int:
+        return self.low.shape[1]
+
+    def nbytes(self) -> int:
+        """Host bytes held: the stored tokens, their flags and the summaries."""
+        held = sum(array.nbytes for array in self.arrays.values()) + self.present.nbytes + self.protected.nbytes
+        return held + self.low.nbytes + self.high.nbytes
+
+    def _grow(self, positions: int) -> None:
+        if positions <= self.present.shape[1]:
+            return
+        room = -(-max(positions, 2 * self.present.shape[1], GROWTH) // self.block) * self.block
+
+        def grown(array: np.ndarray, size: int) -> np.ndarray:
+            bigger = np.zeros((array.shape[0], size, *array.shape[2:]), array.dtype)
+            bigger[:, : array.shape[1]] = array
+            return bigger
+
+        self.arrays = {name: grown(array, room) for name, array in self.arrays.items()}
+        self.present, self.protected = grown(self.present, room), grown(self.protected, room)
+        self.low, self.high = grown(self.low, room // self.block), grown(self.high, room // self.block)
+
+    def add(self, heads: np.ndarray, positions: np.ndarray, values: dict[str, np.ndarray], protected) -> None:
+        """Tokens entering the slots: ``heads``/``positions`` [n] (one entry per head and token), ``values``
+        by state name [n, ...] in the storage dtype, ``protected`` [n] bool (or a bool for all)."""
+        if len(positions) == 0:
+            return
+        self._grow(int(positions.max()) + 1)
+        for name, array in self.arrays.items():
+            array[heads, positions] = values[name]
+        self.present[heads, positions] = True
+        self.protected[heads, positions] = protected
+        self.length = max(self.length, int(positions.max()) + 1)
+        self._summarize(np.unique(positions // self.block))
+
+    def _summarize(self, blocks: np.ndarray) -> None:
+        """Recompute the key min/max of ``blocks`` from the stored keys (a block with no token: 0, never chosen)."""
+        compression = self.compression
+        for first in range(0, len(blocks), 256):  # bounded temporaries for a long prompt
+            chosen = blocks[first : first + 256]
+            index = (chosen[:, None] * self.block + np.arange(self.block)).reshape(-1)
+            scale = self.arrays["k_scale"][:, index] if "k_scale" in self.arrays else None
+            keys = dequantize(self.arrays["k"][:, index], scale, compression.dtype, compression.group)
+            keys = keys.reshape(self.heads, len(chosen), self.block, self.dim)
+            present = self.present[:, index].reshape(self.heads, len(chosen), self.block, 1)
+            low = np.where(present, keys, np.inf).min(axis=2)
+            high = np.where(present, keys, -np.inf).max(axis=2)
+            filled = present.any(axis=2)
+            self.low[:, chosen] = np.where(filled, low, 0)
+            self.high[:, chosen] = np.where(filled, high, 0)
+
+    def recall(self, query: np.ndarray, resident: np.ndarray, newest: int, slots: int) -> np.ndarray:
+        """Positions to place in the reserved slots, [Hkv, slots] (-1 = none): ``query`` [Hq, D] is the layer's
+        last query, ``resident`` [Hkv, M] the positions in the op's own slots (-1 = empty)."""
+        length = self.length
+        candidate = self.present[:, :length].copy()
+        heads, columns = np.nonzero((resident >= 0) & (resident < length))
+        candidate[heads, resident[heads, columns]] = False
+        compression = self.compression
+        position = np.arange(length)
+        forced = self.protected[:, :length] | (position < compression.sink) | (position > newest - compression.window)
+        blocks = -(-length // self.block)
+        bound = upper_bounds(query, self.low[:, :blocks], self.high[:, :blocks])
+        return choose(bound, candidate, forced, self.block, slots)

@@ -1,0 +1,174 @@
+"""The hierarchical cache on ONNX Runtime's CPU provider: a cache state whose compressed layers keep a host tier of
+every token and recall the best blocks into reserved slots between steps (``edgec/kvcache/recall.py`` has the
+tiers, summaries and choice; docs/kv-cache.md, "Recall", what runs where and what it costs).
+
+What the graph does: the op as always over all ``C`` slots, plus one output per compressed layer, the query of the
+call's last token (``recall.{i}.query``, bound to a buffer of this state). It never evicts the reserved slots
+(they score +inf, like protected tokens). What this state does, in numpy, after every call: copy the tokens that
+entered the slots (positions ≥ the call's first) into the host tier — one token per head and layer on a decode
+step — and then, every ``recall_every`` decode steps and once after each prompt, rewrite the reserved slots (the
+last ``R`` of each head) with the best blocks' tokens, scored against the query the step left. The state buffers
+are the very arrays ONNX Runtime reads (``OrtValue.numpy()`` shares the CPU buffer; checked here), so a recall is
+a few numpy writes, no copy of the cache. The next step therefore reads what the previous step's query chose.
+
+A prompt longer than the capacity (``prefill_compress = end``) is read whole into the temporary state, whose
+every token enters the host tier as it is read; the selection then keeps the best ``C - R`` per head in the op's
+slots (``reference.select_slots``) and the first recall fills the other ``R`` with the prompt's last query.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from edgec.errors import BundleError
+from edgec.kvcache.recall import HostTier
+from edgec.kvcache.reference import select_slots
+from edgec.kvcache.spec import CacheSpec, recall_query_name
+from edgec.runtime.backend_ort import OrtCacheState, OrtGraph
+
+KEPT = ("k", "v", "k_scale", "v_scale")  # what the host tier stores of a token (score and pos are its own)
+
+
+def check_recall_graph(graph: OrtGraph, spec: CacheSpec) -> None:
+    """A bundle loaded with recall on must have been built with it: its graph gives each compressed layer's query."""
+    outputs = {value.name for value in graph.session.get_outputs()}
+    missing = [recall_query_name(layer.layer) for layer in spec.layers if layer.compressed]
+    missing = [name for name in missing if name not in outputs]
+    if missing:
+        raise BundleError(
+            f"recall needs the compressed layers' queries, which this bundle's graph does not give ({missing[0]}): "
+            "rebuild it with --kv-recall, or load it with kv_recall=0"
+        )
+
+
+class RecallCacheState(OrtCacheState):
+    """An ``OrtCacheState`` with a host tier per compressed layer and recall into reserved slots."""
+
+    def __init__(
+        self, graph: OrtGraph, vocab_size: int, spec: CacheSpec | None = None, prefill: OrtGraph | None = None
+    ) -> None:
+        spec = spec or graph.spec
+        compression = spec.compression
+        self._layers = [layer for layer in spec.layers if layer.compressed]
+        shapes = {value.name: value.shape for value in graph.session.get_outputs()}
+        # the query buffers exist before the base class binds its one-token step (``_binding`` binds them)
+        self._queries = {
+            layer.layer: np.zeros((1, shapes[recall_query_name(layer.layer)][1], layer.head_dim), np.float32)
+            for layer in self._layers
+        }
+        super().__init__(graph, vocab_size, spec=spec, prefill=prefill)
+        self._views = self._compressed_views(self._state)
+        self.reserved = compression.recall_slots
+        self.every = compression.recall_every
+        self._tiers = {}
+        for layer in self._layers:
+            views = self._views[layer.layer]
+            stored = {name: (views[name].shape[3:], views[name].dtype) for name in KEPT if name in views}
+            self._tiers[layer.layer] = HostTier(layer.num_kv_heads, layer.head_dim, compression, stored)
+        self._reading = False
+        self._steps = 0
+        self.recall_seconds = 0.0  # the runtime's own time in host-tier copies and recalls (benchmarks read it)
+        self.recalls = 0
+
+    def _compressed_views(self, entries) -> dict[int, dict[str, np.ndarray]]:
+        """numpy arrays over the state buffers ONNX Runtime reads and writes (no copies)."""
+        compressed = {layer.layer for layer in self._layers}
+        views: dict[int, dict[str, np.ndarray]] = {}
+        for tensor, value in entries:
+            if tensor.layer in compressed:
+                array = value.numpy()
+                if array.ctypes.data != value.data_ptr():  # an ONNX Runtime that copies: recall would write nowhere
+                    raise BundleError("this ONNX Runtime gives copies of its CPU buffers; recall cannot run on it")
+                views.setdefault(tensor.layer, {})[tensor.name] = array
+        return views
+
+    def _binding(self, state, ids, positions, index, protect, logits, session=None):
+        import onnxruntime as ort
+
+        binding = super()._binding(state, ids, positions, index, protect, logits, session)
+        for layer, query in self._queries.items():
+            binding.bind_ortvalue_output(recall_query_name(layer), ort.OrtValue.ortvalue_from_numpy(query))
+        binding.keep_alive += list(self._queries.values())
+        return binding
+
+    def tiers(self) -> dict[int, HostTier]:
+        """The host tier of each compressed layer (tests and benchmarks read it)."""
+        return self._tiers
+
+    # --- the protocol ------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        super().reset()
+        for tier in self._tiers.values():
+            tier.clear()
+        self._steps, self._reading = 0, False
+
+    def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        """A saved state: its slots become the host tier (a saved prompt carries no host tier of its own)."""
+        super().restore(arrays)
+        for tier in self._tiers.values():
+            tier.clear()
+        self._harvest(self._state, 0, None)
+        self._steps, self._reading = 0, False
+
+    def begin_prompt(self, length: int) -> None:
+        super().begin_prompt(length)
+        self._reading = True
+
+    def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
+        """The op's slots keep the best ``C - R`` of the prompt per head (the whole prompt is in the host tier by
+        now); the reserved ``R`` are filled by a first recall with the prompt's last query."""
+        started = time.perf_counter()
+        if self._active is not self._state:
+            capacity = self.compression.capacity
+            main = capacity - self.reserved
+            temporary = self._compressed_views(self._active)
+            for layer, state in temporary.items():
+                kept = select_slots(state, self.compression, newest, main, last_chunk_start)
+                views = self._views[layer]
+                for name, array in kept.items():
+                    views[name][:, :, :main] = array
+                views["pos"][:, :, main:] = -1
+            self._active = self._state
+        self._reading = False
+        self._recall(newest)
+        self.recall_seconds += time.perf_counter() - started
+
+    def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:
+        logits = super().run(ids, start, last_only, protect)
+        started = time.perf_counter()
+        self._harvest(self._active, start, protect)
+        if not self._reading:
+            self._steps += 1
+            if self._steps % self.every == 0:
+                self._recall(start + len(ids) - 1)
+        self.recall_seconds += time.perf_counter() - started
+        return logits
+
+    # --- the work between steps --------------------------------------------------------------------------------
+    def _harvest(self, entries, start: int, protect: np.ndarray | None) -> None:
+        """Copy the tokens that entered the slots in the last call (positions ≥ ``start``) into the host tiers."""
+        views = self._views if entries is self._state else self._compressed_views(entries)
+        for layer, arrays in views.items():
+            pos = arrays["pos"][0]
+            heads, slots = np.nonzero(pos >= start)
+            positions = pos[heads, slots]
+            values = {name: arrays[name][0][heads, slots] for name in KEPT if name in arrays}
+            flags = False if protect is None else np.asarray(protect, bool)[positions - start]
+            self._tiers[layer].add(heads, positions, values, flags)
+
+    def _recall(self, newest: int) -> None:
+        """Rewrite the reserved slots (the last ``R`` of each head) with the best blocks' tokens."""
+        reserved = self.reserved
+        for layer, arrays in self._views.items():
+            tier = self._tiers[layer]
+            main = arrays["pos"].shape[2] - reserved
+            chosen = tier.recall(self._queries[layer][0], arrays["pos"][0, :, :main], newest, reserved)
+            safe = np.maximum(chosen, 0)
+            heads = np.arange(chosen.shape[0])[:, None]
+            for name, stored in tier.arrays.items():
+                arrays[name][0, :, main:] = stored[heads, safe]
+            arrays["pos"][0, :, main:] = chosen
+            arrays["score"][0, :, main:] = np.where(chosen >= 0, np.float32(np.inf), np.float32(0))
+        self.recalls += 1
