@@ -33,6 +33,8 @@ KEPT = ("k", "v", "k_scale", "v_scale")  # what the host tier stores of a token 
 
 def check_recall_graph(graph: OrtGraph, spec: CacheSpec) -> None:
     """A bundle loaded with recall on must have been built with it: its graph gives each compressed layer's query."""
+    if graph.device.kind != "cpu":
+        raise BundleError(f"recall writes the cache state between steps in host memory; not on {graph.device.kind}")
     outputs = {value.name for value in graph.session.get_outputs()}
     missing = [recall_query_name(layer.layer) for layer in spec.layers if layer.compressed]
     missing = [name for name in missing if name not in outputs]
@@ -62,15 +64,22 @@ class RecallCacheState(OrtCacheState):
         self._views = self._compressed_views(self._state)
         self.reserved = compression.recall_slots
         self.every = compression.recall_every
-        self._tiers = {}
-        for layer in self._layers:
-            views = self._views[layer.layer]
-            stored = {name: (views[name].shape[3:], views[name].dtype) for name in KEPT if name in views}
-            self._tiers[layer.layer] = HostTier(layer.num_kv_heads, layer.head_dim, compression, stored)
+        # one host tier for every compressed layer: its rows are (layer, KV head) pairs, layer-major, so each step's
+        # work is one set of numpy calls whatever the number of layers (they share one head layout)
+        self.kv_heads = self._layers[0].num_kv_heads
+        first = self._views[self._layers[0].layer]
+        stored = {name: (first[name].shape[3:], first[name].dtype) for name in KEPT if name in first}
+        self.tier = HostTier(len(self._layers) * self.kv_heads, self._layers[0].head_dim, compression, stored)
+        self._query_rows = np.zeros((len(self._layers), *next(iter(self._queries.values())).shape[1:]), np.float32)
         self._reading = False
         self._steps = 0
         self.recall_seconds = 0.0  # the runtime's own time in host-tier copies and recalls (benchmarks read it)
         self.recalls = 0
+
+    def rows(self, layer: int) -> slice:
+        """The host tier's rows of a compressed layer (one per KV head)."""
+        index = [entry.layer for entry in self._layers].index(layer)
+        return slice(index * self.kv_heads, (index + 1) * self.kv_heads)
 
     def _compressed_views(self, entries) -> dict[int, dict[str, np.ndarray]]:
         """numpy arrays over the state buffers ONNX Runtime reads and writes (no copies)."""
@@ -93,22 +102,16 @@ class RecallCacheState(OrtCacheState):
         binding.keep_alive += list(self._queries.values())
         return binding
 
-    def tiers(self) -> dict[int, HostTier]:
-        """The host tier of each compressed layer (tests and benchmarks read it)."""
-        return self._tiers
-
     # --- the protocol ------------------------------------------------------------------------------------------
     def reset(self) -> None:
         super().reset()
-        for tier in self._tiers.values():
-            tier.clear()
+        self.tier.clear()
         self._steps, self._reading = 0, False
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
         """A saved state: its slots become the host tier (a saved prompt carries no host tier of its own)."""
         super().restore(arrays)
-        for tier in self._tiers.values():
-            tier.clear()
+        self.tier.clear()
         self._harvest(self._state, 0, None)
         self._steps, self._reading = 0, False
 
@@ -148,27 +151,38 @@ class RecallCacheState(OrtCacheState):
 
     # --- the work between steps --------------------------------------------------------------------------------
     def _harvest(self, entries, start: int, protect: np.ndarray | None) -> None:
-        """Copy the tokens that entered the slots in the last call (positions ≥ ``start``) into the host tiers."""
+        """Copy the tokens that entered the slots in the last call (positions ≥ ``start``) into the host tier."""
         views = self._views if entries is self._state else self._compressed_views(entries)
-        for layer, arrays in views.items():
+        rows, positions, values = [], [], {name: [] for name in self.tier.arrays}
+        for index, arrays in enumerate(views.values()):
             pos = arrays["pos"][0]
             heads, slots = np.nonzero(pos >= start)
-            positions = pos[heads, slots]
-            values = {name: arrays[name][0][heads, slots] for name in KEPT if name in arrays}
-            flags = False if protect is None else np.asarray(protect, bool)[positions - start]
-            self._tiers[layer].add(heads, positions, values, flags)
+            rows.append(heads + index * self.kv_heads)
+            positions.append(pos[heads, slots])
+            for name, parts in values.items():
+                parts.append(arrays[name][0][heads, slots])
+        positions = np.concatenate(positions)
+        flags = False if protect is None else np.asarray(protect, bool)[positions - start]
+        joined = {name: np.concatenate(parts) for name, parts in values.items()}
+        self.tier.add(np.concatenate(rows), positions, joined, flags)
 
     def _recall(self, newest: int) -> None:
         """Rewrite the reserved slots (the last ``R`` of each head) with the best blocks' tokens."""
-        reserved = self.reserved
-        for layer, arrays in self._views.items():
-            tier = self._tiers[layer]
-            main = arrays["pos"].shape[2] - reserved
-            chosen = tier.recall(self._queries[layer][0], arrays["pos"][0, :, :main], newest, reserved)
-            safe = np.maximum(chosen, 0)
-            heads = np.arange(chosen.shape[0])[:, None]
-            for name, stored in tier.arrays.items():
-                arrays[name][0, :, main:] = stored[heads, safe]
-            arrays["pos"][0, :, main:] = chosen
-            arrays["score"][0, :, main:] = np.where(chosen >= 0, np.float32(np.inf), np.float32(0))
+        reserved, kv_heads = self.reserved, self.kv_heads
+        views = list(self._views.values())
+        main = views[0]["pos"].shape[2] - reserved
+        for index, layer in enumerate(self._views):
+            self._query_rows[index] = self._queries[layer][0]
+        resident = np.concatenate([arrays["pos"][0, :, :main] for arrays in views])
+        chosen = self.tier.recall(self._query_rows.reshape(-1, self._query_rows.shape[-1]), resident, newest, reserved)
+        safe = np.maximum(chosen, 0)
+        rows = np.arange(chosen.shape[0])[:, None]
+        recalled = {name: stored[rows, safe] for name, stored in self.tier.arrays.items()}
+        score = np.where(chosen >= 0, np.float32(np.inf), np.float32(0))
+        for index, arrays in enumerate(views):
+            part = slice(index * kv_heads, (index + 1) * kv_heads)
+            for name, values in recalled.items():
+                arrays[name][0, :, main:] = values[part]
+            arrays["pos"][0, :, main:] = chosen[part]
+            arrays["score"][0, :, main:] = score[part]
         self.recalls += 1

@@ -98,30 +98,30 @@ def _check_evictions(bundle, ids, main: int) -> None:
         whole = reference.arrays()
     with model._state() as state:
         logits = model._prefill(state, np.asarray(prompt), all_logits=False)[-1]
-        layers = list(state.tiers())
+        layers, tier = list(state._views), state.tier
+        assert tier.length == 90 and tier.present[:, :90].all()
         for layer in layers:  # the prompt's bytes are the uncompressed run's, token for token
-            tier = state.tiers()[layer]
-            assert tier.length == 90 and tier.present[:, :90].all()
+            rows = state.rows(layer)
             assert (whole[f"cache.{layer}.pos"][0][:, :90] == np.arange(90)).all()  # slot = position there
             for name in tier.arrays:
-                np.testing.assert_array_equal(tier.arrays[name][:, :90], whole[f"cache.{layer}.{name}"][0][:, :90])
+                np.testing.assert_array_equal(tier.arrays[name][rows, :90], whole[f"cache.{layer}.{name}"][0][:, :90])
         position, token = 90, int(np.argmax(logits))
         evicted = 0
         for _ in range(14):
             before = {layer: _state_views(state, layer) for layer in layers}
             logits = state.run(np.array([token]), position, last_only=True)
             for layer in layers:
-                tier, after, old = state.tiers()[layer], _state_views(state, layer), before[layer]
+                after, old, rows = _state_views(state, layer), before[layer], state.rows(layer)
                 gone = (old["pos"] >= 0) & (old["pos"] != after["pos"])
                 heads, slots = np.nonzero(gone)
                 evicted += len(heads)
                 for name in tier.arrays:
-                    held = tier.arrays[name][heads, old["pos"][heads, slots]]
+                    held = tier.arrays[name][rows][heads, old["pos"][heads, slots]]
                     np.testing.assert_array_equal(held, old[name][heads, slots])
                 tail = after["pos"][:, main:]
                 assert (tail >= 0).all() and np.isposinf(after["score"][:, main:]).all()
                 for name in tier.arrays:
-                    held = np.take_along_axis(tier.arrays[name], tail[..., None], axis=1)
+                    held = np.take_along_axis(tier.arrays[name][rows], tail[..., None], axis=1)
                     np.testing.assert_array_equal(after[name][:, main:], held)
                 for head in range(after["pos"].shape[0]):  # every token once: no duplicate slot, none lost
                     filled = after["pos"][head][after["pos"][head] >= 0]
