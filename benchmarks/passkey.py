@@ -214,6 +214,10 @@ def main() -> None:
         "--compare-recall", action="store_true", help="a --kv-recall bundle: run edgec with recall off, then on"
     )
     parser.add_argument("--speed-steps", type=int, default=64, help="with --compare-recall: decode steps timed")
+    parser.add_argument(
+        "--load-capacity", type=int, help="with --compare-recall: the compressed slots at load (Model.load kv_capacity)"
+    )
+    parser.add_argument("--load-recall", type=int, help="with --compare-recall: recalled blocks at load (kv_recall)")
     parser.add_argument("--worker", choices=["edgec", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--bundle", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--trial-json", help=argparse.SUPPRESS)
@@ -229,9 +233,13 @@ def main() -> None:
     trials = make_trials(args.lengths, args.depths, args.trials, args.seed)
     # the longest trial first in the edgec worker's run, so the peak RSS it reports is that prefill's
     if args.compare_recall:  # the same bundle and slots: plain eviction, then with recall
+        load = {"kv_capacity": args.load_capacity} if args.load_capacity else {}
+        on = load | ({"kv_recall": args.load_recall} if args.load_recall else {})
         results = {
-            "edgec (no recall)": run_worker("edgec", bundle, trials, "no recall", {"kv_recall": 0}, args.speed_steps),
-            "edgec (recall)": run_worker("edgec", bundle, trials, "recall", {}, args.speed_steps),
+            "edgec (no recall)": run_worker(
+                "edgec", bundle, trials, "no recall", load | {"kv_recall": 0}, args.speed_steps
+            ),
+            "edgec (recall)": run_worker("edgec", bundle, trials, "recall", on, args.speed_steps),
         }
     else:
         results = {"edgec": run_worker("edgec", bundle, trials)}
@@ -245,6 +253,7 @@ def main() -> None:
         "command": " ".join(["python", "benchmarks/passkey.py", *sys.argv[1:]]),
         "bundle": bundle.name,
         "build_options": build_options,
+        "load_options": {"kv_capacity": args.load_capacity, "kv_recall": args.load_recall},
         "engines": {
             engine: {
                 "successes": sum(r["success"] for r in records),
@@ -256,7 +265,8 @@ def main() -> None:
             for engine, (records, peak, timing) in results.items()
         },
     }
-    out = models.OUT / f"passkey-{bundle.stem}{'-recall' if args.compare_recall else ''}.json"
+    tag = f"-recall-{args.load_capacity or 'built'}-{args.load_recall or 'built'}" if args.compare_recall else ""
+    out = models.OUT / f"passkey-{bundle.stem}{tag}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print("| engine | passkeys | decode tokens/s | recall ms/step | peak RSS GB |")
     print("|---|---|---|---|---|")
