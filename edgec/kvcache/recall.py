@@ -34,7 +34,8 @@ def upper_bounds(query: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.nda
     kv_heads = low.shape[0]
     grouped = query.reshape(kv_heads, -1, query.shape[-1]).astype(np.float32)  # [Hkv, G, D]
     positive, negative = np.maximum(grouped, 0), np.minimum(grouped, 0)
-    bound = positive @ high.transpose(0, 2, 1) + negative @ low.transpose(0, 2, 1)  # [Hkv, G, blocks]
+    # einsum's own loop, not BLAS: a product this small gains nothing from BLAS threads, which stall on a busy machine
+    bound = np.einsum("hgd,hbd->hgb", positive, high) + np.einsum("hgd,hbd->hgb", negative, low)  # [Hkv, G, blocks]
     return bound.max(axis=1)
 
 
@@ -137,16 +138,27 @@ class HostTier:
             self.low[:, chosen] = np.where(filled, low, 0)
             self.high[:, chosen] = np.where(filled, high, 0)
 
-    def recall(self, query: np.ndarray, resident: np.ndarray, newest: int, slots: int) -> np.ndarray:
+    def recall(
+        self, query: np.ndarray, resident: np.ndarray, newest: int, slots: int, lowest: np.ndarray | None = None
+    ) -> np.ndarray:
         """Positions to place in the reserved slots, [Hkv, slots] (-1 = none): ``query`` [Hq, D] is the layer's
-        last query, ``resident`` [Hkv, M] the positions in the op's own slots (-1 = empty)."""
+        last query, ``resident`` [Hkv, M] the positions in the op's own slots (-1 = empty); ``lowest`` [Hkv]: the
+        lowest position the next query can see on each row (a sliding-window layer masks older ones)."""
         length = self.length
         candidate = self.present[:, :length].copy()
+        if lowest is not None:
+            candidate &= np.arange(length) >= lowest[:, None]
         heads, columns = np.nonzero((resident >= 0) & (resident < length))
         candidate[heads, resident[heads, columns]] = False
         compression = self.compression
         position = np.arange(length)
         forced = self.protected[:, :length] | (position < compression.sink) | (position > newest - compression.window)
         blocks = -(-length // self.block)
-        bound = upper_bounds(query, self.low[:, :blocks], self.high[:, :blocks])
+        first = np.zeros(self.heads, np.int64) if lowest is None else np.clip(lowest // self.block, 0, blocks)
+        grouped = query.reshape(self.heads, -1, query.shape[-1])
+        bound = np.full((self.heads, blocks), -np.inf, np.float32)
+        for start in np.unique(first):  # rows that see the same blocks (a sliding window's last ones) together
+            rows = first == start
+            low, high = self.low[rows, start:blocks], self.high[rows, start:blocks]
+            bound[rows, start:] = upper_bounds(grouped[rows].reshape(-1, query.shape[-1]), low, high)
         return choose(bound, candidate, forced, self.block, slots)

@@ -70,6 +70,8 @@ class RecallCacheState(OrtCacheState):
         first = self._views[self._layers[0].layer]
         stored = {name: (first[name].shape[3:], first[name].dtype) for name in KEPT if name in first}
         self.tier = HostTier(len(self._layers) * self.kv_heads, self._layers[0].head_dim, compression, stored)
+        # a sliding-window layer's next query sees positions > its position − window only: older ones are not recalled
+        self._windows = np.repeat([layer.window or -1 for layer in self._layers], self.kv_heads)
         self._query_rows = np.zeros((len(self._layers), *next(iter(self._queries.values())).shape[1:]), np.float32)
         self._reading = False
         self._steps = 0
@@ -174,7 +176,9 @@ class RecallCacheState(OrtCacheState):
         for index, layer in enumerate(self._views):
             self._query_rows[index] = self._queries[layer][0]
         resident = np.concatenate([arrays["pos"][0, :, :main] for arrays in views])
-        chosen = self.tier.recall(self._query_rows.reshape(-1, self._query_rows.shape[-1]), resident, newest, reserved)
+        lowest = np.where(self._windows > 0, newest + 2 - self._windows, 0)
+        queries = self._query_rows.reshape(-1, self._query_rows.shape[-1])
+        chosen = self.tier.recall(queries, resident, newest, reserved, lowest)
         safe = np.maximum(chosen, 0)
         rows = np.arange(chosen.shape[0])[:, None]
         recalled = {name: stored[rows, safe] for name, stored in self.tier.arrays.items()}

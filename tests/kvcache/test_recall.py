@@ -104,3 +104,17 @@ def test_host_tier_keeps_the_exact_bytes_and_grows():
     for name, array in stored.items():
         np.testing.assert_array_equal(tier.arrays[name][:, :3000], array)
     assert tier.nbytes() > 0
+
+
+def test_a_sliding_window_row_recalls_only_what_its_next_query_sees():
+    tier = _tier("int8", heads=2)
+    keys = RNG.normal(scale=0.3, size=(2, 160, 32)).astype(np.float32)
+    direction = np.zeros(32, np.float32)
+    direction[3] = 1.0
+    keys[:, 20] += 5 * direction  # a strong match, early
+    _fill(tier, keys, np.arange(160))
+    resident = np.tile(np.r_[0:4, 152:160], (2, 1))  # the op holds the sinks and the recent window
+    query = np.repeat(direction[None], 4, axis=0)
+    lowest = np.array([0, 100])  # row 1 is a sliding-window layer's: positions < 100 are masked for it
+    chosen = tier.recall(query, resident, newest=159, slots=16, lowest=lowest)
+    assert 20 in chosen[0] and (chosen[1][chosen[1] >= 0] >= 100).all()
