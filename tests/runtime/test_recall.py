@@ -26,8 +26,7 @@ RECALL = dict(
     prefill_chunk=16,
     kv_capacity=CAPACITY,
     kv_window=WINDOW,
-    kv_dtype="int8",
-    kv_group=16,
+    kv_dtype="fp32",  # float slots: the query test below compares the op with the reference to float rounding
     kv_recall=BLOCKS,
     kv_recall_block=BLOCK,
 )
@@ -129,6 +128,44 @@ def _check_evictions(bundle, ids, main: int) -> None:
                 assert tier.present[:, : position + 1].all()
             position, token = position + 1, int(np.argmax(logits))
         assert evicted > 14 and state.recalls >= 15
+
+
+def test_the_query_output_is_the_query_the_op_attends_with(recall_bundle, ids):
+    """After a decode step, the reference op run on the state before it with the graph's query output (and the
+    token's k, v as the step stored them) reproduces the op's slots, positions and scores: the runtime scores its
+    summaries with the very query the op used, in the keys' space."""
+    from edgec.kvcache import reference
+
+    model = Model.load(recall_bundle)
+    graph = onnx.load(recall_bundle / "model.onnx", load_external_data=False).graph
+    scale = next(
+        attribute.f
+        for node in graph.node
+        if node.op_type == "CompressedKVAttention"
+        for attribute in node.attribute
+        if attribute.name == "scale"
+    )
+    main = CAPACITY - BLOCKS * BLOCK
+    compression = model.cache_spec.compression
+    with model._state() as state:
+        logits = model._prefill(state, np.asarray(ids[:90]), all_logits=False)[-1]
+        position, token = 90, int(np.argmax(logits))
+        for _ in range(3):
+            before = {layer: _state_views(state, layer) for layer in state._views}
+            logits = state.run(np.array([token]), position, last_only=True)
+            for layer in state._views:
+                after = _state_views(state, layer)
+                slot = np.argmax(after["pos"] == position, axis=-1)  # [Hkv]: where the op put the token
+                heads = np.arange(len(slot))
+                new_k, new_v = after["k"][heads, slot][None, :, None], after["v"][heads, slot][None, :, None]
+                query = state._queries[layer][:, :, None, :]  # [1, H, 1, D]
+                old = {name: value[None] for name, value in before[layer].items()}
+                _, want = reference.compressed_kv_attention(
+                    query, new_k, new_v, np.array([[position]]), np.zeros((1, 1), bool), old, compression, scale
+                )
+                np.testing.assert_array_equal(want["pos"][0, :, :main], after["pos"][:, :main])
+                np.testing.assert_allclose(want["score"][0, :, :main], after["score"][:, :main], rtol=1e-4, atol=1e-6)
+            position, token = position + 1, int(np.argmax(logits))
 
 
 def test_recall_applies_the_load_time_settings(recall_bundle, ids):
