@@ -10,10 +10,9 @@ The tiers (docs/kv-cache.md, "Recall"):
   is inclusive — a token is copied there when it enters the slots, not when it leaves them — so no eviction has to
   be predicted or reported by the graph: whatever the op evicts (the ArgMin slot of a step, a chunk's losers, a
   pruning policy's drops) is already there. ``HostTier.add`` takes the new tokens after each call;
-- summaries: per block of ``recall_block`` positions and KV head, the per-channel min and max of the dequantized
-  keys. Quest's bound ``Σ_d max(q_d·min_d, q_d·max_d)`` is at least ``q·k`` for every key of the block, computed
-  as ``q⁺·max + q⁻·min`` (two small products per layer);
-- recall: blocks are ranked by their bound against the last query (the highest of the KV head's query heads);
+- summaries: per block of ``recall_block`` positions and KV head, the mean of its dequantized keys (Quest's
+  per-channel min/max bound was measured too and recalled fewer of a passkey's tokens: docs/kv-cache.md);
+- recall: blocks are ranked by ``q · mean`` against the last query (the highest of the KV head's query heads);
   the tokens of the best blocks that are not in the op's own slots fill the reserved ones, in block order.
   Sinks, recent-window and protected tokens that sit in the reserved slots go first, so what the op would never
   evict is never dropped by a recall either.
@@ -28,29 +27,27 @@ from edgec.kvcache.quantize import dequantize
 GROWTH = 1024  # the host tier grows by at least this many positions at a time
 
 
-def upper_bounds(query: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
-    """query [Hq, D], low/high [Hkv, blocks, D] → [Hkv, blocks]: for each block, an upper bound of q·k over its
-    keys (Quest), the highest over the query heads that read the KV head."""
-    kv_heads = low.shape[0]
+def block_scores(query: np.ndarray, mean: np.ndarray) -> np.ndarray:
+    """query [Hq, D], mean [Hkv, blocks, D] (each block's mean key) → [Hkv, blocks]: q · mean key, the highest over
+    the query heads that read the KV head."""
+    kv_heads = mean.shape[0]
     grouped = query.reshape(kv_heads, -1, query.shape[-1]).astype(np.float32)  # [Hkv, G, D]
-    positive, negative = np.maximum(grouped, 0), np.minimum(grouped, 0)
     # einsum's own loop, not BLAS: a product this small gains nothing from BLAS threads, which stall on a busy machine
-    bound = np.einsum("hgd,hbd->hgb", positive, high) + np.einsum("hgd,hbd->hgb", negative, low)  # [Hkv, G, blocks]
-    return bound.max(axis=1)
+    return np.einsum("hgd,hbd->hgb", grouped, mean).max(axis=1)
 
 
-def choose(bound: np.ndarray, candidate: np.ndarray, forced: np.ndarray, block: int, slots: int) -> np.ndarray:
+def choose(score: np.ndarray, candidate: np.ndarray, forced: np.ndarray, block: int, slots: int) -> np.ndarray:
     """The positions to recall, [Hkv, slots] (-1 = nothing): the candidate tokens ([Hkv, N] bool: in the host
-    tier, not in the op's slots) of the blocks with the highest ``bound`` [Hkv, blocks], best block first;
+    tier, not in the op's slots) of the blocks with the highest ``score`` [Hkv, blocks], best block first;
     ``forced`` candidates (never to be dropped) first of all."""
     kv_heads, length = candidate.shape
-    blocks = bound.shape[1]
+    blocks = score.shape[1]
     padded = np.zeros((kv_heads, blocks * block), bool)
     padded[:, :length] = candidate
     counts = padded.reshape(kv_heads, blocks, block).sum(-1)
     urgent = np.zeros((kv_heads, blocks * block), bool)
     urgent[:, :length] = forced & candidate
-    key = np.where(counts > 0, bound, -np.inf)
+    key = np.where(counts > 0, score, -np.inf)
     key = np.where(urgent.reshape(kv_heads, blocks, block).any(-1), np.inf, key)
     order = np.argsort(-key, axis=-1, kind="stable")
     # enough of the best blocks to fill the slots on every head
@@ -72,7 +69,8 @@ class HostTier:
     it is there (``present``), whether it was protected, and the min/max key summary of each block."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, compression, stored: dict[str, tuple[tuple, type]]) -> None:
-        """``stored``: state name → (trailing shape, numpy dtype) of the tensors kept (k, v, k_scale, v_scale)."""
+        """``stored``: state name → (trailing shape, numpy dtype) of the tensors kept (k, v, k_scale, v_scale).
+        Rows are KV heads (the runtime stacks every compressed layer's)."""
         self.heads, self.dim, self.compression = num_kv_heads, head_dim, compression
         self.block = compression.recall_block
         self._layout = stored
@@ -83,17 +81,16 @@ class HostTier:
         self.arrays = {name: np.zeros((self.heads, 0, *shape), dtype) for name, (shape, dtype) in self._layout.items()}
         self.present = np.zeros((self.heads, 0), bool)
         self.protected = np.zeros((self.heads, 0), bool)
-        self.low = np.zeros((self.heads, 0, self.dim), np.float32)
-        self.high = np.zeros((self.heads, 0, self.dim), np.float32)
+        self.mean = np.zeros((self.heads, 0, self.dim), np.float32)
 
     @property
     def blocks(self) -> int:
-        return self.low.shape[1]
+        return self.mean.shape[1]
 
     def nbytes(self) -> int:
         """Host bytes held: the stored tokens, their flags and the summaries."""
         held = sum(array.nbytes for array in self.arrays.values()) + self.present.nbytes + self.protected.nbytes
-        return held + self.low.nbytes + self.high.nbytes
+        return held + self.mean.nbytes
 
     def _grow(self, positions: int) -> None:
         if positions <= self.present.shape[1]:
@@ -107,7 +104,7 @@ class HostTier:
 
         self.arrays = {name: grown(array, room) for name, array in self.arrays.items()}
         self.present, self.protected = grown(self.present, room), grown(self.protected, room)
-        self.low, self.high = grown(self.low, room // self.block), grown(self.high, room // self.block)
+        self.mean = grown(self.mean, room // self.block)
 
     def add(self, heads: np.ndarray, positions: np.ndarray, values: dict[str, np.ndarray], protected) -> None:
         """Tokens entering the slots: ``heads``/``positions`` [n] (one entry per head and token), ``values``
@@ -123,7 +120,7 @@ class HostTier:
         self._summarize(np.unique(positions // self.block))
 
     def _summarize(self, blocks: np.ndarray) -> None:
-        """Recompute the key min/max of ``blocks`` from the stored keys (a block with no token: 0, never chosen)."""
+        """Recompute the mean key of ``blocks`` from the stored keys (a block with no token: 0, never chosen)."""
         compression = self.compression
         for first in range(0, len(blocks), 256):  # bounded temporaries for a long prompt
             chosen = blocks[first : first + 256]
@@ -132,11 +129,8 @@ class HostTier:
             keys = dequantize(self.arrays["k"][:, index], scale, compression.dtype, compression.group)
             keys = keys.reshape(self.heads, len(chosen), self.block, self.dim)
             present = self.present[:, index].reshape(self.heads, len(chosen), self.block, 1)
-            low = np.where(present, keys, np.inf).min(axis=2)
-            high = np.where(present, keys, -np.inf).max(axis=2)
-            filled = present.any(axis=2)
-            self.low[:, chosen] = np.where(filled, low, 0)
-            self.high[:, chosen] = np.where(filled, high, 0)
+            count = present.sum(axis=2)
+            self.mean[:, chosen] = np.where(present, keys, 0).sum(axis=2) / np.maximum(count, 1)
 
     def recall(
         self, query: np.ndarray, resident: np.ndarray, newest: int, slots: int, lowest: np.ndarray | None = None
@@ -156,9 +150,10 @@ class HostTier:
         blocks = -(-length // self.block)
         first = np.zeros(self.heads, np.int64) if lowest is None else np.clip(lowest // self.block, 0, blocks)
         grouped = query.reshape(self.heads, -1, query.shape[-1])
-        bound = np.full((self.heads, blocks), -np.inf, np.float32)
+        score = np.full((self.heads, blocks), -np.inf, np.float32)
         for start in np.unique(first):  # rows that see the same blocks (a sliding window's last ones) together
             rows = first == start
-            low, high = self.low[rows, start:blocks], self.high[rows, start:blocks]
-            bound[rows, start:] = upper_bounds(grouped[rows].reshape(-1, query.shape[-1]), low, high)
-        return choose(bound, candidate, forced, self.block, slots)
+            score[rows, start:] = block_scores(
+                grouped[rows].reshape(-1, query.shape[-1]), self.mean[rows, start:blocks]
+            )
+        return choose(score, candidate, forced, self.block, slots)

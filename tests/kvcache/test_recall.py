@@ -1,4 +1,4 @@
-"""The hierarchical cache's numpy half (edgec/kvcache/recall.py): block summaries, Quest bounds, the choice of
+"""The hierarchical cache's numpy half (edgec/kvcache/recall.py): block summaries and scores, the choice of
 tokens to recall, the host tier's bytes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from edgec.kvcache.compression import Compression
 from edgec.kvcache.quantize import dequantize, quantize
-from edgec.kvcache.recall import HostTier, choose, upper_bounds
+from edgec.kvcache.recall import HostTier, block_scores, choose
 
 RNG = np.random.default_rng(7)
 
@@ -35,31 +35,23 @@ def _fill(tier: HostTier, keys: np.ndarray, positions: np.ndarray) -> dict[str, 
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "int8", "int4"])
-def test_summaries_are_the_blocks_min_max_and_bound_every_dot_product(dtype):
+def test_summaries_are_the_blocks_mean_key_and_score_against_the_query(dtype):
     tier = _tier(dtype)
     keys = RNG.normal(size=(2, 50, 32)).astype(np.float32)
     order = RNG.permutation(50)  # added out of order, in two calls
     _fill(tier, keys[:, order[:30]], order[:30])
-    stored = _fill(tier, keys[:, order[30:]], order[30:])
-    assert stored  # the bytes went in
-    seen = dequantize(
-        tier.arrays["k"][:, :50],
-        tier.arrays.get("k_scale", np.zeros(0))[:, :50] if dtype != "fp32" else None,
-        dtype,
-        16,
-    )
+    _fill(tier, keys[:, order[30:]], order[30:])
+    scale = tier.arrays["k_scale"][:, :50] if dtype != "fp32" else None
+    seen = dequantize(tier.arrays["k"][:, :50], scale, dtype, 16)  # what the op attends with
     blocks = -(-50 // 8)
     for b in range(blocks):
-        block_keys = seen[:, b * 8 : min(50, b * 8 + 8)]
-        np.testing.assert_array_equal(tier.low[:, b], block_keys.min(axis=1))
-        np.testing.assert_array_equal(tier.high[:, b], block_keys.max(axis=1))
+        np.testing.assert_allclose(
+            tier.mean[:, b], seen[:, b * 8 : min(50, b * 8 + 8)].mean(axis=1), rtol=1e-5, atol=1e-6
+        )
     query = RNG.normal(size=(4, 32)).astype(np.float32)  # 2 query heads per KV head
-    bound = upper_bounds(query, tier.low[:, :blocks], tier.high[:, :blocks])
-    dots = np.einsum("hgd,hnd->hgn", query.reshape(2, 2, 32), seen).max(axis=1)  # [H, 50]
-    for b in range(blocks):
-        assert (bound[:, b] + 1e-4 >= dots[:, b * 8 : b * 8 + 8].max(axis=1)).all()
-    single = upper_bounds(query, seen[:, :1], seen[:, :1])  # a one-token block: the bound is the dot product
-    np.testing.assert_allclose(single[:, 0], dots[:, 0], rtol=1e-5, atol=1e-5)
+    score = block_scores(query, tier.mean[:, :blocks])
+    want = np.einsum("hgd,hbd->hgb", query.reshape(2, 2, 32), tier.mean[:, :blocks]).max(axis=1)
+    np.testing.assert_allclose(score, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_block_holding_the_matching_key_is_recalled():
@@ -82,17 +74,17 @@ def test_the_block_holding_the_matching_key_is_recalled():
 
 
 def test_choose_skips_resident_tokens_puts_forced_first_and_pads():
-    bound = np.array([[5.0, 9.0, 1.0]])  # blocks of 4: order 1, 0, 2
+    score = np.array([[5.0, 9.0, 1.0]])  # blocks of 4: order 1, 0, 2
     candidate = np.ones((1, 10), bool)
     candidate[0, [4, 5]] = False  # in the op's slots
     forced = np.zeros((1, 10), bool)
     forced[0, 9] = True  # e.g. a recent token in the reserved slots: kept before any block
-    chosen = choose(bound, candidate, forced, block=4, slots=5)
+    chosen = choose(score, candidate, forced, block=4, slots=5)
     # the forced token, then the rest of its block (2), then block 1 (less 4, 5), then block 0
     assert chosen.tolist() == [[9, 8, 6, 7, 0]]
-    few = choose(bound, candidate, np.zeros_like(forced), block=4, slots=12)
+    few = choose(score, candidate, np.zeros_like(forced), block=4, slots=12)
     assert sorted(few[0][few[0] >= 0].tolist()) == [0, 1, 2, 3, 6, 7, 8, 9] and (few[0] == -1).sum() == 4
-    none = choose(bound, np.zeros_like(candidate), forced, block=4, slots=3)
+    none = choose(score, np.zeros_like(candidate), forced, block=4, slots=3)
     assert (none == -1).all()
 
 
