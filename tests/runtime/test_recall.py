@@ -83,7 +83,9 @@ def test_evictions_kept_on_the_portable_body_with_int4_rotation_and_pruning(tmp_
     """The same on the cpu-portable target (the op's standard-op body), int4 slots, the rotation (the query output
     is the rotated one, as the stored keys are) and a pruning policy (adaptive: one step may empty many slots)."""
     bundle = tmp_path / "portable.edgec"
-    settings = RECALL | dict(target="cpu-portable", kv_dtype="int4", kv_rotation="hadamard", kv_policy="adaptive")
+    settings = RECALL | dict(
+        target="cpu-portable", kv_dtype="int4", kv_group=16, kv_rotation="hadamard", kv_policy="adaptive"
+    )
     build(tiny_llama, bundle, build_settings(**settings))
     _check_evictions(bundle, ids, CAPACITY - BLOCKS * BLOCK)
 
