@@ -66,7 +66,7 @@ def choose(score: np.ndarray, candidate: np.ndarray, forced: np.ndarray, block: 
 
 class HostTier:
     """Every token one compressed layer has seen, by position: its stored k, v (and scales) per KV head, whether
-    it is there (``present``), whether it was protected, and the min/max key summary of each block."""
+    it is there (``present``), whether it was protected, and the mean key of each block."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, compression, stored: dict[str, tuple[tuple, type]]) -> None:
         """``stored``: state name → (trailing shape, numpy dtype) of the tensors kept (k, v, k_scale, v_scale).
