@@ -5,11 +5,17 @@ the longest prefill.
     nice -n 10 python benchmarks/passkey.py --torch-max-tokens 8192  # also PyTorch on the trials up to 8K
     nice -n 10 python benchmarks/passkey.py --lengths 2000 --depths 0.5 --trials 1   # a quick look
     python benchmarks/passkey.py --context 32768 --kv-capacity 4096  # unknown options go to `edgec build`
+    # the hierarchical cache: the same bundle with recall off (plain eviction, all C slots) and on, in one run
+    python benchmarks/passkey.py --lengths 8000 --context 8192 --kv-capacity 256 --kv-recall 4 --compare-recall
 
 A 5-digit key is hidden at a relative depth of Jane Austen filler (../shared/data/austen); the prompt ends with
 "What is the pass key? The pass key is" and a trial succeeds when the greedy continuation (8 tokens) contains the
 key. Prompts are built in token space from the bundle's tokenizer, so every engine sees the same ids. Each engine
 runs in its own process so its peak RSS (VmHWM) is its own. Results: benchmarks/out/passkey-<bundle>.json.
+``--compare-recall`` (a bundle built with ``--kv-recall``) runs edgec twice, loaded with recall off
+(``kv_recall=0``: plain eviction over the same C slots) and on, and also times ``--speed-steps`` decode steps
+after the first trial's answer in each (tokens/s, and the share of it the runtime spends in host-tier copies and
+recalls).
 """
 
 from __future__ import annotations
@@ -57,18 +63,24 @@ def prompt_ids(tokenizer, bos: int | None, trial: dict, filler: list[int]) -> li
         sys.exit(str(error))
 
 
-def worker(engine: str, bundle: Path, trials: list[dict]) -> None:
-    """Run the trials on one engine in this process; print one JSON line per trial, then the peak RSS."""
+def worker(engine: str, bundle: Path, trials: list[dict], load: dict | None = None, speed_steps: int = 0) -> None:
+    """Run the trials on one engine in this process; print one JSON line per trial, then the peak RSS.
+    ``load``: Model.load options (edgec); ``speed_steps``: also time that many decode steps after the first
+    trial's prompt (edgec)."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(bundle / "tokenizer.json"))
     bos = json.loads((bundle / "manifest.json").read_text())["generation"]["bos_token_id"]
     filler = tokenizer.encode("\n".join(models.austen_text(b) for b in FILLER_BOOKS), add_special_tokens=False).ids
-    generate = _edgec_generator(bundle) if engine == "edgec" else _torch_generator()
-    for trial in trials:
+    generate = _edgec_generator(bundle, load or {}) if engine == "edgec" else _torch_generator()
+    timing = None
+    for number, trial in enumerate(trials):
         ids = prompt_ids(tokenizer, bos, trial, filler)
         start = time.perf_counter()
-        new_ids, prefill_s = generate(ids)
+        if number == 0 and speed_steps and engine == "edgec":  # the first trial also times decode steps after it
+            new_ids, prefill_s, timing = generate.with_speed(ids, filler[:speed_steps])
+        else:
+            new_ids, prefill_s = generate(ids)
         answer = tokenizer.decode(new_ids)
         record = trial | {
             "engine": engine,
@@ -79,22 +91,56 @@ def worker(engine: str, bundle: Path, trials: list[dict]) -> None:
             "total_s": round(time.perf_counter() - start, 2),
         }
         print(json.dumps(record), flush=True)
+    if timing:
+        print(json.dumps({"speed": timing}), flush=True)
     print(json.dumps({"engine": engine, "peak_rss_gb": round(measure.peak_rss_gb(), 2)}), flush=True)
 
 
-def _edgec_generator(bundle: Path):
-    from edgec.runtime import Model
+class _EdgecGenerator:
+    def __init__(self, bundle: Path, load: dict) -> None:
+        from edgec.runtime import Model
 
-    model = Model.load(bundle)
+        self.model = Model.load(bundle, **load)
 
-    def generate(ids: list[int]) -> tuple[list[int], float]:
+    def __call__(self, ids: list[int]) -> tuple[list[int], float]:
         start = time.perf_counter()
-        stream = model.generate_ids(ids, max_new_tokens=NEW_TOKENS)
+        stream = self.model.generate_ids(ids, max_new_tokens=NEW_TOKENS)
         new_ids = [next(stream)]  # the first token comes right after the prefill
         prefill_s = time.perf_counter() - start
         return new_ids + list(stream), prefill_s
 
-    return generate
+    def with_speed(self, ids: list[int], continuation: list[int]) -> tuple[list[int], float, dict]:
+        """A trial as ``__call__`` runs it (greedy, the same steps ``generate`` takes), then ``continuation`` fed
+        one token at a time on the same state, timed: decode steps/s with the cache as long prompts leave it, and
+        the part of each step the runtime spends in host-tier copies and recalls (0 with recall off)."""
+        model = self.model
+        with model._state() as state:
+            start = time.perf_counter()
+            logits = model._prefill(state, np.asarray(ids, np.int64), all_logits=False)[-1]
+            prefill_s = time.perf_counter() - start
+            new_ids, position = [int(np.argmax(logits))], len(ids)
+            while len(new_ids) < NEW_TOKENS and new_ids[-1] not in model.eos_token_ids:
+                logits = state.run(np.array([new_ids[-1]], np.int64), position, last_only=True)
+                new_ids.append(int(np.argmax(logits)))
+                position += 1
+            recall_before = getattr(state, "recall_seconds", 0.0)
+            began = time.perf_counter()
+            for offset, token in enumerate(continuation):
+                state.run(np.array([token], np.int64), position + offset, last_only=True)
+            elapsed = time.perf_counter() - began
+            recall_s = getattr(state, "recall_seconds", 0.0) - recall_before
+        steps = len(continuation)
+        timing = {
+            "steps": steps,
+            "tokens_per_s": round(steps / elapsed, 2),
+            "ms_per_step": round(1000 * elapsed / steps, 2),
+            "recall_ms_per_step": round(1000 * recall_s / steps, 3),
+        }
+        return new_ids, prefill_s, timing
+
+
+def _edgec_generator(bundle: Path, load: dict) -> _EdgecGenerator:
+    return _EdgecGenerator(bundle, load)
 
 
 def _torch_generator():
@@ -137,26 +183,34 @@ def build_bundle(context: int, build_options: list[str]) -> Path:
     return bundle
 
 
-def run_worker(engine: str, bundle: Path, trials: list[dict]) -> tuple[list[dict], float]:
+def run_worker(
+    engine: str, bundle: Path, trials: list[dict], label: str | None = None, load: dict | None = None, speed: int = 0
+) -> tuple[list[dict], float, dict | None]:
+    """One engine's trials in a process of its own: (records, peak RSS, decode speed or None)."""
+    label = label or engine
     command = [sys.executable, __file__, "--worker", engine, "--bundle", str(bundle)]
-    command += ["--trial-json", json.dumps(trials)]
-    records, peak = [], float("nan")
+    command += ["--trial-json", json.dumps(trials), "--load-json", json.dumps(load or {}), "--speed-steps", str(speed)]
+    records, peak, timing = [], float("nan"), None
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
         for line in process.stdout:
             record = json.loads(line)
             if "peak_rss_gb" in record:
                 peak = record["peak_rss_gb"]
                 continue
+            if "speed" in record:
+                timing = record["speed"]
+                print(f"{label:12} decode {timing}", flush=True)
+                continue
             records.append(record)
             mark = "ok " if record["success"] else "MISS"
             print(
-                f"{engine:6} {mark} {record['tokens']:>6} tokens depth {record['depth']:.2f} key {record['key']} "
+                f"{label:12} {mark} {record['tokens']:>6} tokens depth {record['depth']:.2f} key {record['key']} "
                 f"→ {record['answer']!r}  prefill {record['prefill_s']:.1f} s",
                 flush=True,
             )
     if process.returncode:
-        sys.exit(f"{engine} worker failed (exit {process.returncode})")
-    return records, peak
+        sys.exit(f"{label} worker failed (exit {process.returncode})")
+    return records, peak, timing
 
 
 def main() -> None:
@@ -167,40 +221,72 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--context", type=int, default=32768, help="bundle context (edgec build --context)")
     parser.add_argument("--torch-max-tokens", type=int, default=0, help="also run PyTorch on trials up to this length")
+    parser.add_argument(
+        "--compare-recall", action="store_true", help="a --kv-recall bundle: run edgec with recall off, then on"
+    )
+    parser.add_argument("--speed-steps", type=int, default=64, help="with --compare-recall: decode steps timed")
+    parser.add_argument(
+        "--load-capacity", type=int, help="with --compare-recall: the compressed slots at load (Model.load kv_capacity)"
+    )
+    parser.add_argument("--load-recall", type=int, help="with --compare-recall: recalled blocks at load (kv_recall)")
     parser.add_argument("--worker", choices=["edgec", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--bundle", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--trial-json", help=argparse.SUPPRESS)
+    parser.add_argument("--load-json", default="{}", help=argparse.SUPPRESS)
     args, build_options = parser.parse_known_args()
     if args.worker:
-        return worker(args.worker, args.bundle, json.loads(args.trial_json))
+        load = json.loads(args.load_json)
+        return worker(args.worker, args.bundle, json.loads(args.trial_json), load, args.speed_steps)
+    if args.compare_recall and "--kv-recall" not in build_options:
+        sys.exit("--compare-recall needs a bundle built with recall: add --kv-recall BLOCKS")
 
     bundle = build_bundle(args.context, build_options)
     trials = make_trials(args.lengths, args.depths, args.trials, args.seed)
     # the longest trial first in the edgec worker's run, so the peak RSS it reports is that prefill's
-    results = {"edgec": run_worker("edgec", bundle, trials)}
+    if args.compare_recall:  # the same bundle and slots: plain eviction, then with recall
+        load = {"kv_capacity": args.load_capacity} if args.load_capacity else {}
+        on = load | ({"kv_recall": args.load_recall} if args.load_recall else {})
+        results = {
+            "edgec (no recall)": run_worker(
+                "edgec", bundle, trials, "no recall", load | {"kv_recall": 0}, args.speed_steps
+            ),
+            "edgec (recall)": run_worker("edgec", bundle, trials, "recall", on, args.speed_steps),
+        }
+    else:
+        results = {"edgec": run_worker("edgec", bundle, trials)}
     torch_trials = [trial for trial in trials if trial["length"] <= args.torch_max_tokens]
     if torch_trials:
         results["torch"] = run_worker("torch", bundle, torch_trials)
     report = {
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+        "load": round(__import__("os").getloadavg()[0], 2),
         "command": " ".join(["python", "benchmarks/passkey.py", *sys.argv[1:]]),
         "bundle": bundle.name,
         "build_options": build_options,
+        "load_options": {"kv_capacity": args.load_capacity, "kv_recall": args.load_recall},
         "engines": {
             engine: {
                 "successes": sum(r["success"] for r in records),
                 "trials": len(records),
                 "peak_rss_gb": peak,
+                **({"decode": timing} if timing else {}),
                 "records": records,
             }
-            for engine, (records, peak) in results.items()
+            for engine, (records, peak, timing) in results.items()
         },
     }
-    out = models.OUT / f"passkey-{bundle.stem}.json"
+    tag = f"-recall-{args.load_capacity or 'built'}-{args.load_recall or 'built'}" if args.compare_recall else ""
+    out = models.OUT / f"passkey-{bundle.stem}{tag}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
+    print("| engine | passkeys | decode tokens/s | recall ms/step | peak RSS GB |")
+    print("|---|---|---|---|---|")
     for engine, summary in report["engines"].items():
-        print(f"{engine}: {summary['successes']}/{summary['trials']} passkeys, peak RSS {summary['peak_rss_gb']} GB")
+        decode = summary.get("decode", {})
+        print(
+            f"| {engine} | {summary['successes']}/{summary['trials']} | {decode.get('tokens_per_s', '—')} | "
+            f"{decode.get('recall_ms_per_step', '—')} | {summary['peak_rss_gb']} |"
+        )
     print(f"wrote {out}")
 
 

@@ -123,6 +123,12 @@ def plan_build(settings: BuildSettings, shape: ModelShape, max_context: int | No
                 f"--kv-mixed {kv.mixed} is built for the ONNX Runtime CPU targets ({', '.join(MIXED_TARGETS)}); "
                 f"{target.name} reads one slot pool: use --kv-mixed none"
             )
+    if kv is not None and kv.recall and (target.runtime != "ort-cpu" or settings.kv_plugin):
+        raise BuildSettingsError(
+            f"--kv-recall (the hierarchical cache) is built for ONNX Runtime on the CPU (targets cpu, cpu-portable): "
+            f"its runtime writes recalled tokens into host buffers between steps; not for {target.name} "
+            f"({target.runtime}{', --kv-plugin on' if settings.kv_plugin else ''}); build with --kv-recall 0"
+        )
     choices = Choices(target, weights, context, kv, weight_options(target, settings, weights), settings.kv_plugin)
     passes, options = passes_for(choices)
     plan = Plan(target, shape, context, prefill_chunk, weights, kv, passes, options)

@@ -989,6 +989,12 @@ def inspect(bundle) -> None:
             )
         if compression.get("rotation", "none") != "none":
             say(f"  rotated before storage: {compression['rotation']} (seed {compression['rotation_seed']})")
+        if compression.get("recall"):
+            say(
+                f"  recall: {compression['recall']} blocks of {compression['recall_block']} tokens per KV head into "
+                f"{compression['recall'] * compression['recall_block']} reserved slots, every "
+                f"{compression['recall_every']} step(s), from a host tier of every token"
+            )
     if cache.get("ring_kv_bytes"):
         rings = sum(1 for layer in cache["layers"] if layer.get("window") and not layer.get("compressed"))
         say(f"sliding-window rings: {rings} layers, {cache['ring_kv_bytes'] / 2**20:,.1f} MiB k+v (fixed)")

@@ -139,6 +139,9 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "cache.compression.observe": (1, 2**16),
     "cache.compression.protect_fraction": (0, 0.999),
     "cache.compression.rotation_seed": (0, 2**32 - 1),
+    "cache.compression.recall": (1, 2**16),  # present only when on
+    "cache.compression.recall_block": (1, 2**16),
+    "cache.compression.recall_every": (1, 2**16),
     "cache.bytes_per_token": (0, 2**40),
     "cache.kv_bytes_per_token": (0, 2**40),
     "cache.ring_kv_bytes": (0, 2**50),
@@ -386,6 +389,13 @@ def relation_errors(manifest: dict[str, Any]) -> list[str]:
             compression["dtype"], compression["group"]
         ):
             errors.append("cache.compression.mixed must be wider storage than cache.compression.dtype")
+        recall = ("recall", "recall_block", "recall_every")
+        if any(name in compression for name in recall) and not all(name in compression for name in recall):
+            errors.append(f"cache.compression must hold all of {', '.join(recall)} or none")
+        elif "recall" in compression:
+            reserved = compression["recall"] * compression["recall_block"]
+            if compression["capacity"] - reserved < compression["sink"] + compression["window"] + 1:
+                errors.append("cache.compression.capacity less its recall slots must exceed its sink + window")
         quantized = compression["dtype"] in ("int8", "fp8", "int4")
         for layer in layers:
             if layer.get("compressed") and quantized and layer["head_dim"] % compression["group"]:

@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from edgec.kvcache import compressed_function, function
 from edgec.kvcache.compression import Compression
-from edgec.kvcache.spec import PROTECT_INPUT, SLOT_DIM, CacheSpec, LayerCache, StateTensor
+from edgec.kvcache.spec import PROTECT_INPUT, SLOT_DIM, CacheSpec, LayerCache, StateTensor, recall_query_name
 from edgec.passes._contract import Pass
 from edgec.passes._graph import take_over
 
@@ -111,11 +111,12 @@ def _compress(graph: ir.Graph, node: ir.Node, layer: LayerCache, protect: ir.Val
         compressed_function.OP_TYPE,
         inputs=[q, k, v, position_ids, protect, *(state[name] for name in layer.state)],
         attributes=[node.attributes["scale"], ir.AttrInt64("window", layer.window)],
-        num_outputs=1 + len(layer.state),
+        num_outputs=len(compressed_function.outputs(compression)),
     )
     graph.insert_before(node, replacement)
     out, *old_state = node.outputs
-    new_outputs = dict(zip(("out", *layer.state), replacement.outputs, strict=True))
+    recall = (compressed_function.RECALL_QUERY,) if compression.recall else ()
+    new_outputs = dict(zip(("out", *layer.state, *recall), replacement.outputs, strict=True))
     take_over(out, new_outputs["out"])
     for old, name in zip(old_state, ("k", "v", "pos"), strict=True):
         take_over(old, new_outputs[name])
@@ -126,6 +127,11 @@ def _compress(graph: ir.Graph, node: ir.Node, layer: LayerCache, protect: ir.Val
         value.name = tensors[name].output
         value.type, value.shape = state[name].type, state[name].shape
         graph.outputs.insert(at + offset, value)
+    if recall:  # recall (kvcache/recall.py): the runtime reads each layer's last query
+        query = new_outputs[compressed_function.RECALL_QUERY]
+        query.name = recall_query_name(layer.layer)
+        query.type, query.shape = float_type, ir.Shape([batch, q.shape[1], head_dim])
+        graph.outputs.append(query)
     graph.remove(node, safe=True)
 
 

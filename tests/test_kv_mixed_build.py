@@ -125,6 +125,10 @@ def test_manifest_schema_refuses_a_bad_mixed_cache(mixed_bundle):
             ["--kv-plugin on and --kv-mixed int8"],
         ),
         (["--kv-dtype", "int4", "--kv-mixed", "fp16", "--target", "ascend-310p"], ["ascend-310p reads one slot pool"]),
+        (
+            ["--kv-dtype", "int4", "--kv-mixed", "int8", "--kv-capacity", "96", "--kv-recall", "1"],
+            ["--kv-recall 1 with --kv-mixed int8"],
+        ),
     ],
 )
 def test_refused_mixed_settings_are_one_line(tiny_llama, tmp_path, args, needles):

@@ -47,6 +47,8 @@ class Heads:
     dim: int
 
 
+RECALL_QUERY = "query"  # the output recall adds
+
 # the function's formal names of the state tensors (spec.py's vocabulary; k and v are the new tokens' keys/values)
 FORMAL = {"k": "k_cache", "v": "v_cache"}
 
@@ -61,7 +63,10 @@ def inputs(compression: Compression) -> tuple[str, ...]:
 
 
 def outputs(compression: Compression) -> tuple[str, ...]:
-    return ("out", *(f"{name}_out" for name in state_names(compression)))
+    """The outputs: the attention, the updated state, and with recall (recall.py) the query of the call's last
+    token, [B,H,D] after RoPE and the rotation — what the runtime scores its host tier's key summaries with."""
+    recall = (RECALL_QUERY,) if compression.recall else ()
+    return ("out", *(f"{name}_out" for name in state_names(compression)), *recall)
 
 
 # --- storage -------------------------------------------------------------------------------------------------
@@ -202,6 +207,9 @@ def make_function(
         rotation = matrix, query_signs, kv_signs, out_signs = _rotation_constants(b, compression, heads)
         for name, signs in (("q", query_signs), ("k", kv_signs), ("v", kv_signs)):
             b.named("MatMul", [b.op("Mul", f"{name}_unrotated", signs), matrix], name)
+    if compression.recall:  # the last token's query, as the slots' keys see it (rotated where they are)
+        b.named("Gather", ["q", b.i64(-1)], RECALL_QUERY, axis=2)
+    state_outputs = [name for name in outputs(compression) if name != RECALL_QUERY]
     scale_attr = b.attribute_ref("value_float", "scale", AttributeProto.FLOAT)
     window_attr = b.attribute_ref("value_int", "window", AttributeProto.INT)
     if compression.mixed != "none":  # two slot pools (mixed_function.py): the same If, its own branches
@@ -217,7 +225,7 @@ def make_function(
         return _function(b, compression, default_opset, formal, rotation)
     if not data_dependent_shapes:
         results = _general(b, compression, scale_attr, window_attr, every_slot=True)
-        for name in outputs(compression):
+        for name in state_outputs:
             b.nodes.append(helper.make_node("Identity", [results[name]], [body_out[name]]))
         return _function(b, compression, default_opset, formal, rotation)
     is_decode = b.op("Equal", b.op("Squeeze", b.shape("k", 2)), b.i64(1))
@@ -230,7 +238,7 @@ def make_function(
             fused = heads if fused_attention else None
             results = _general(branch, compression, scale_attr, window_attr, fused=fused)
         graph_outputs = []
-        for name in outputs(compression):
+        for name in state_outputs:
             value = branch.op("Identity", results[name], name=f"{name}_result")
             graph_outputs.append(helper.make_tensor_value_info(value, _output_type(compression, name), None))
         branches[kind] = helper.make_graph(branch.nodes, f"{kind}_step", [], graph_outputs)
@@ -238,7 +246,7 @@ def make_function(
         helper.make_node(
             "If",
             [is_decode],
-            [body_out[name] for name in outputs(compression)],
+            [body_out[name] for name in state_outputs],
             then_branch=branches["decode"],
             else_branch=branches["general"],
         )
@@ -765,7 +773,9 @@ def make_schema(compression: Compression) -> onnx.defs.OpSchema:
         DOMAIN,
         OPSET_VERSION,
         inputs=[param(name, kinds[name]) for name in inputs(compression)],
-        outputs=[param(name, "T" if name == "out" else kinds[name[:-4]]) for name in outputs(compression)],
+        outputs=[
+            param(name, "T" if name in ("out", RECALL_QUERY) else kinds[name[:-4]]) for name in outputs(compression)
+        ],
         type_constraints=[
             ("T", ["tensor(float)"], "compute dtype"),
             ("S", [storage], "cache storage"),

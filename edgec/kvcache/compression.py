@@ -19,6 +19,8 @@ PREFILL_MODES = ("end", "chunk")
 MIXED = ("none", "int8", "fp16")  # storage of the high-precision pool (--kv-mixed); none = one pool
 # settings a manifest holds only when their feature is on (the setting that turns it on → the settings it adds)
 OMITTED_WHEN_OFF = {"rotation": ("rotation", "rotation_seed"), "mixed": ("mixed",)}
+# settings a manifest holds only when recall is on (kvcache/recall.py), so other bundles stay byte-identical
+RECALL_FIELDS = ("recall", "recall_block", "recall_every")
 
 
 def _policy_names() -> tuple[str, ...]:
@@ -104,6 +106,25 @@ class Compression:
             choices=MIXED,
         ),
     )
+    # hierarchical cache (edgec/kvcache/recall.py, docs/kv-cache.md): every token also lives in a host tier of the
+    # runtime; before each step the blocks whose key summaries score highest against the last query are copied
+    # into recall × recall_block reserved slots. The graph gains the query outputs; the rest is the runtime's
+    recall: int = _setting(
+        0,
+        Option(
+            "--kv-recall",
+            "hierarchical cache: blocks recalled per KV head into reserved slots from the host tier of every "
+            "token (0 = off; ONNX Runtime CPU targets)",
+            minimum=0,
+            at_load=True,
+        ),
+    )
+    recall_block: int = _setting(
+        16, Option("--kv-recall-block", "tokens per host-tier block (one key summary each)", minimum=1, at_load=True)
+    )
+    recall_every: int = _setting(
+        1, Option("--kv-recall-every", "decode steps between recalls", minimum=1, at_load=True)
+    )
 
     # --- derived from the fields -------------------------------------------------------------------------------
     @classmethod
@@ -135,7 +156,7 @@ class Compression:
     def schema(cls) -> dict[str, Any]:
         """The manifest schema of a built bundle's settings (manifest_schema.py's notation)."""
         types = {"int": int, "str": str, "float": (int, float), "int | None": int}
-        optional = {name for names in OMITTED_WHEN_OFF.values() for name in names}
+        optional = {name for names in OMITTED_WHEN_OFF.values() for name in names} | set(RECALL_FIELDS)
         return {f"{f.name}?" if f.name in optional else f.name: types[str(f.type)] for f in fields(cls)}
 
     @classmethod
@@ -149,6 +170,9 @@ class Compression:
             if getattr(self, switch) == "none":  # as before the setting existed
                 for name in names:
                     data.pop(name)
+        if not self.recall:
+            for name in RECALL_FIELDS:
+                data.pop(name)
         return data
 
     # --- checks ------------------------------------------------------------------------------------------------
@@ -196,6 +220,17 @@ class Compression:
             )
         if not self.protect_fraction < 1:
             raise BuildSettingsError(f"protect fraction must lie in [0, 1), got {self.protect_fraction}")
+        if self.recall and self.capacity - self.recall_slots < self.sink + self.window + self.max_protected + 1:
+            raise BuildSettingsError(
+                f"--kv-recall {self.recall} × --kv-recall-block {self.recall_block} reserves {self.recall_slots} of "
+                f"{self.capacity} slots: the rest must exceed the sink, the recent window and the protected tokens "
+                f"({self.sink} + {self.window} + {self.max_protected}); recall fewer blocks or raise --kv-capacity"
+            )
+        if self.recall and self.mixed != "none":
+            raise BuildSettingsError(
+                f"--kv-recall {self.recall} with --kv-mixed {self.mixed}: the host tier and the reserved slots are "
+                "built for one slot pool; use one of them"
+            )
 
     def override(self, head_dim: int, **changes: Any) -> Compression:
         """These settings with the changes a loaded bundle may take (``Option.at_load``), checked as a build
@@ -235,3 +270,8 @@ class Compression:
         hi = min(slots, self.hi_slots)
         wide = self.bytes_per_slot(head_dim, self.mixed) - extra if hi else 0.0
         return hi * wide + (slots - hi) * (self.bytes_per_slot(head_dim) - extra)
+
+    @property
+    def recall_slots(self) -> int:
+        """Slots per head reserved for recalled tokens (0 without recall): the last ones of each head."""
+        return self.recall * self.recall_block

@@ -37,6 +37,11 @@ def output_name(layer: int, name: str) -> str:
     return f"new_cache.{layer}.{name}"
 
 
+def recall_query_name(layer: int) -> str:
+    """The graph output that carries a compressed layer's last query when the bundle is built with recall."""
+    return f"recall.{layer}.query"
+
+
 def compressed_state(compression: Compression) -> tuple[str, ...]:
     """The state tensors of a compressed layer, in graph order (scales only for quantized storage; the second
     pool only for a mixed-precision cache)."""

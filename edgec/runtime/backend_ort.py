@@ -155,6 +155,10 @@ class OrtBackend:
     def __init__(self, graph: OrtGraph, vocab_size: int, max_tokens: int, prefill: OrtGraph | None = None) -> None:
         self.graph, self.spec, self.vocab_size, self.max_tokens = graph, graph.spec, vocab_size, max_tokens
         self.prefill = prefill
+        if self.spec.compression is not None and self.spec.compression.recall:
+            from edgec.runtime.recall_state import check_recall_graph
+
+            check_recall_graph(graph, self.spec)
 
     @property
     def providers(self) -> list[str]:
@@ -164,6 +168,10 @@ class OrtBackend:
         """A new state; ``kv_capacity``: a compressed cache's slot count for this state alone (the graph takes
         any), e.g. a smaller one for a served session when memory is short."""
         spec = self.spec.with_capacity(kv_capacity) if kv_capacity is not None else None
+        if self.spec.compression is not None and self.spec.compression.recall:  # the hierarchical cache
+            from edgec.runtime.recall_state import RecallCacheState
+
+            return RecallCacheState(self.graph, self.vocab_size, spec=spec, prefill=self.prefill)
         return OrtCacheState(self.graph, self.vocab_size, spec=spec, prefill=self.prefill)
 
     def close(self) -> None:

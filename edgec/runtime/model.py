@@ -84,11 +84,12 @@ class Model:
         kv_capacity: int | None = None,
         prefill_compress: str | None = None,
         providers: list[str] | None = None,
+        **recall: int | None,
     ) -> None:
         self.path = path
         self.manifest = manifest = upgrade_manifest(manifest)
         spec = CacheSpec.from_json(manifest["cache"])
-        self.cache_spec = _with_overrides(spec, kv_capacity=kv_capacity, prefill_compress=prefill_compress)
+        self.cache_spec = _with_overrides(spec, kv_capacity=kv_capacity, prefill_compress=prefill_compress, **recall)
         self.context = int(manifest["model"]["context"])
         self.vocab_size = int(manifest["model"]["vocab_size"])
         run = manifest["runtime"]
@@ -195,6 +196,9 @@ class Model:
         prefill_compress: str | None = None,
         providers: list[str] | None = None,
         trust: TrustedKeys | None = None,
+        kv_recall: int | None = None,
+        kv_recall_block: int | None = None,
+        kv_recall_every: int | None = None,
     ) -> Model:
         """Open a bundle folder. Always checked first: the manifest's schema and bounds, every listed file present
         as a regular file inside the bundle with its size, every path the manifest or the graph names is one of
@@ -205,11 +209,13 @@ class Model:
         graph takes any: fewer slots trade quality for memory without a rebuild) and ``prefill_compress``
         (``end``/``chunk``) how long prompts are read; both default to the manifest's. ``providers`` overrides
         the ONNX Runtime execution providers the bundle names (for testing a lowering on another provider, e.g.
-        a CANN bundle on the CPU)."""
+        a CANN bundle on the CPU). ``kv_recall`` (blocks; 0 = off), ``kv_recall_block`` and ``kv_recall_every``
+        change the hierarchical cache's settings of a bundle built with ``--kv-recall`` (docs/kv-cache.md)."""
         path = Path(path)
         manifest = open_bundle(path, check_hashes=check_hashes, trust=trust)
+        recall = dict(kv_recall=kv_recall, kv_recall_block=kv_recall_block, kv_recall_every=kv_recall_every)
         try:
-            return cls(path, manifest, threads, kv_capacity, prefill_compress, providers)
+            return cls(path, manifest, threads, kv_capacity, prefill_compress, providers, **recall)
         except MemoryError:
             raise BundleError(f"{path} needs more memory than this machine can give (its cache or logits)") from None
         except Exception as error:  # ONNX Runtime's own exception types (InvalidGraph, Fail, ...) are not ours
@@ -643,6 +649,12 @@ def _backend(
     silent fallback to another device. ``providers`` (an explicit override) replaces the manifest's."""
     runtime = manifest["runtime"]
     exact = manifest["format_version"] >= 2
+    if (
+        spec.compression is not None
+        and spec.compression.recall
+        and (runtime["library"] != "onnxruntime" or "decode_file" in manifest["model"])
+    ):
+        raise BundleError("recall (--kv-recall) runs on ONNX Runtime's dynamic-shape bundles only; not on this one")
     if runtime["library"] == "tensorrt_rtx":
         if not exact:
             raise BundleError(f"{path} is a format-v1 TensorRT-RTX bundle, which never loaded: rebuild it")
