@@ -222,6 +222,7 @@ def test_compressed_cache_decodes_on_its_branch_alone(built, tmp_path):
     from edgec.kvcache import compressed_function as cf
     from edgec.runtime import Model
     from edgec.runtime.backend_ort import OrtCacheState
+    from edgec.verify import compare_runtimes
 
     bundle = built["int4-kv"]
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -251,6 +252,10 @@ def test_compressed_cache_decodes_on_its_branch_alone(built, tmp_path):
     one, two = Model.load(bundle), Model.load(two_branch)
     assert np.array_equal(_decoded_logprobs(one, ids, 1), _decoded_logprobs(two, ids, 1))  # every step decodes
     assert np.abs(_decoded_logprobs(one, ids, 40) - _decoded_logprobs(two, ids, 40)).max() < 1e-4
+    # verify's cross-runtime check feeds whole prompts: to the prefill graph (model.onnx would refuse them)
+    cpu = ["CPUExecutionProvider", "CPUExecutionProvider"]
+    check = compare_runtimes(bundle, json.loads((bundle / "manifest.json").read_text()), providers=cpu)
+    assert check.status == "pass", check.detail
     state = OrtCacheState(one._backend.graph, one._backend.vocab_size)  # model.onnx alone, no prefill graph
     state.reset()
     with pytest.raises(Exception, match="Non-zero status code"):
