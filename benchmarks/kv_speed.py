@@ -11,7 +11,9 @@ runs with its defaults (edgec: the runtime's own spinning choice, no EDGEC_ORT_S
 own fresh process. The compressed bundle uses the default ``--prefill-compress end`` (the prompt is read whole,
 then 1024 slots per head are kept) and snapkv. onnxruntime-genai pre-allocates its cache for max_length
 (prompt + 72 here) and attends over all of it.
-Results: benchmarks/out/kv_speed.json / kv_speed.png; the printed table goes into docs/BENCHMARKS.md.
+Results: benchmarks/out/kv_speed.json / kv_speed.png (kv_speed-subset.* with --runtimes); the printed table goes
+into docs/BENCHMARKS.md. Quick checks: ``--runtimes "edgec int4, 1024 int8 slots;onnxruntime-genai int4" --rss none
+--prompt 2000``.
 """
 
 from __future__ import annotations
@@ -119,7 +121,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=8000)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated (all in one run)")
-    parser.add_argument("--rss", help="runtimes whose peak RSS to measure, separated by ; (default: all)")
+    parser.add_argument("--rss", help="runtimes whose peak RSS to measure, separated by ; (default: all; none: no RSS)")
+    parser.add_argument(
+        "--runtimes", help="the runtimes to run, separated by ; (default: all; ratios to an absent one: -)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     thread_counts = [int(t) for t in str(args.threads).split(",")]
@@ -131,6 +136,11 @@ def main() -> None:
     prepare()
     ids = prompt_ids(args.prompt)
     names = [*BUNDLES, *GENAI]
+    if args.runtimes:
+        unknown = set(args.runtimes.split(";")) - set(names)
+        if unknown:
+            sys.exit(f"unknown runtime(s) {sorted(unknown)}; choose from {names}")
+        names = [name for name in names if name in args.runtimes.split(";")]
     runners = {(threads, name): runner(name, threads) for threads in thread_counts for name in names}
     for measured in runners.values():  # warm-up
         measured.run(ids[:256], 4)
@@ -141,13 +151,16 @@ def main() -> None:
             print(f"round {round_index}, {threads} thread(s): {name} {samples[threads, name][-1]}", flush=True)
     del runners
     rss = {}
-    for name in args.rss.split(";") if args.rss else names:
+    for name in [] if args.rss == "none" else args.rss.split(";") if args.rss else names:
         command = [sys.executable, __file__, "--worker", name, "--threads", str(thread_counts[-1])]
         done = subprocess.run([*command, "--prompt", str(args.prompt)], capture_output=True, text=True, check=True)
         rss[name] = float(done.stdout.strip().splitlines()[-1])
 
-    def paired(threads: int, name: str, against: str, index: int) -> float:
-        """Median over rounds of this round's ratio (index 0: prefill seconds, 1: decode tok/s)."""
+    def paired(threads: int, name: str, against: str, index: int) -> float | None:
+        """Median over rounds of this round's ratio (index 0: prefill seconds, 1: decode tok/s); None when
+        ``against`` did not run."""
+        if (threads, against) not in samples:
+            return None
         pairs = zip(samples[threads, name], samples[threads, against], strict=True)
         return float(np.median([a[index] / b[index] for a, b in pairs]))
 
@@ -175,7 +188,8 @@ def main() -> None:
             for (threads, name), runs in samples.items()
         },
     }
-    (OUT / "kv_speed.json").write_text(json.dumps(results, indent=2))
+    stem = "kv_speed-subset" if args.runtimes else "kv_speed"  # a subset does not replace the full run's results
+    (OUT / f"{stem}.json").write_text(json.dumps(results, indent=2))
     fp16 = 23_040 * (args.prompt + args.new_tokens)
     print(
         f"| runtime, prompt {args.prompt} | threads | decode tok/s | vs genai int4 | vs genai fp32 | prefill | "
@@ -184,13 +198,17 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in results["rows"].values():
         print(
-            f"| {row['name']} | {row['threads']} | {row['decode_tok_s']:.1f} | {row['decode_vs_genai_int4']:.2f}× | "
-            f"{row['decode_vs_genai_fp32']:.2f}× | {row['prefill_s']:.1f} s | "
-            f"{row['prefill_vs_edgec_int4_plain']:.2f}× | "
-            f"{row['prefill_vs_genai_fp32']:.2f}× | {_gb(row['peak_rss_gb'])} | {row['kv_bytes'] / 2**20:.1f} MiB "
+            f"| {row['name']} | {row['threads']} | {row['decode_tok_s']:.1f} | {_x(row['decode_vs_genai_int4'])} | "
+            f"{_x(row['decode_vs_genai_fp32'])} | {row['prefill_s']:.1f} s | "
+            f"{_x(row['prefill_vs_edgec_int4_plain'])} | "
+            f"{_x(row['prefill_vs_genai_fp32'])} | {_gb(row['peak_rss_gb'])} | {row['kv_bytes'] / 2**20:.1f} MiB "
             f"({fp16 / row['kv_bytes']:.1f}× smaller) |"
         )
-    plot(results, OUT / "kv_speed.png")
+    plot(results, OUT / f"{stem}.png")
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}×"
 
 
 def _gb(value: float | None) -> str:

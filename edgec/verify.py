@@ -295,7 +295,8 @@ def compare_runtimes(bundle: Path, manifest: dict, providers: list[str] | None =
         from polygraphy.comparator import Comparator, CompareFunc
     except ImportError:
         return Check("cross-runtime", "skip", f"{second} present, but polygraphy is not: pip install polygraphy")
-    model_path = str(bundle / manifest["model"]["file"])
+    # whole prompts: the graph that runs prompt chunks (a prefill graph's model.onnx takes one-token steps only)
+    model_path = str(bundle / manifest["model"].get("prefill_file", manifest["model"]["file"]))
     runners = [
         OnnxrtRunner(SessionFromOnnx(model_path, providers=[provider]), name=f"{index}:{provider}")
         for index, provider in enumerate((first, second))

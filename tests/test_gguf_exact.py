@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgec.kvcache.compression import Compression
 from tests.gguf_exact import assert_weights_are_the_gguf_s
-from tests.tiny_gguf import LAYERS, quantized, write_tiny_llama_gguf
+from tests.tiny_gguf import HEADS, LAYERS, quantized, write_tiny_llama_gguf
 
 gguf = pytest.importorskip("gguf")
 
@@ -35,6 +36,7 @@ def built(tmp_path_factory, mixed_gguf) -> dict[str, Path]:
         "int4-l1": {"weights": "int4", "accuracy_level": 1},
         "int4": {"weights": "int4"},  # int8 activations, split in two rows (the default for a GGUF's blocks)
         "int4-one-row": {"weights": "int4", "split_activations": False},
+        "int4-kv": {"weights": "int4", "kv": Compression(capacity=40, sink=2, window=8, dtype="int8")},  # evicts
     }
     for name, extra in variants.items():
         build(mixed_gguf, root / name, BuildSettings(context=128, prefill_chunk=32, **extra))
@@ -201,3 +203,60 @@ def test_verify_compare_passes_a_fresh_bundle_and_fails_one_corrupted_block(buil
     assert not [check for check in verify(broken) if check.status == "fail"]  # the hashes cannot see it
     failed = [check.name for check in verify(broken, compare=True) if check.status == "fail"]
     assert any(check.startswith("reference logits") for check in failed), failed
+
+
+def _decoded_logprobs(model, ids: list[int], prompt_tokens: int) -> np.ndarray:
+    logits = np.concatenate([piece for _, piece in model.iter_logits(ids, prompt_tokens=prompt_tokens)])
+    shifted = logits[:-1] - logits[:-1].max(-1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return log_softmax[np.arange(len(ids) - 1), ids[1:]]
+
+
+def test_compressed_cache_decodes_on_its_branch_alone(built, tmp_path):
+    """With a prefill graph, each graph holds one branch of the compressed op: model.onnx the one-token decode
+    branch (no If per layer), prefill.onnx the general one. The answers are those of the two-branch graph
+    (bit for bit in decode; the products are untouched: the tests above hold them to level 1), and model.onnx
+    refuses a multi-token step rather than compute something else."""
+    import onnx
+
+    from edgec.kvcache import compressed_function as cf
+    from edgec.runtime import Model
+    from edgec.runtime.backend_ort import OrtCacheState
+    from edgec.verify import compare_runtimes
+
+    bundle = built["int4-kv"]
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["model"]["prefill_file"] == "prefill.onnx"
+    bodies = {}
+    for name in ("model.onnx", "prefill.onnx"):
+        model = onnx.load(str(bundle / name), load_external_data=False)
+        (bodies[name],) = [f for f in model.functions if f.name == cf.OP_TYPE]
+    assert not any(node.op_type == "If" for node in bodies["model.onnx"].node)
+    assert not any(node.op_type == "TopK" for node in bodies["model.onnx"].node)  # the general branch's pairing
+    assert any(node.op_type == "TopK" for node in bodies["prefill.onnx"].node)
+    # the same bundle with the two-branch body in model.onnx (as built before): the answers must not move
+    two_branch = tmp_path / "two-branch"
+    shutil.copytree(bundle, two_branch)
+    model = onnx.load(str(two_branch / "model.onnx"), load_external_data=False)
+    opset = next(entry.version for entry in model.opset_import if entry.domain == "")
+    layer = manifest["cache"]["layers"][0]
+    heads = cf.Heads(HEADS, layer["num_kv_heads"], layer["head_dim"])
+    full = cf.make_function(Compression.from_json(manifest["cache"]["compression"]), opset, heads, fused_attention=True)
+    assert any(node.op_type == "If" for node in full.node)
+    (index,) = [i for i, f in enumerate(model.functions) if f.name == cf.OP_TYPE]
+    model.functions[index].CopyFrom(full)
+    onnx.save(model, str(two_branch / "model.onnx"))
+    manifest["files"]["model.onnx"]["size"] = (two_branch / "model.onnx").stat().st_size
+    (two_branch / "manifest.json").write_text(json.dumps(manifest))
+    ids = np.random.default_rng(7).integers(0, 384, 60).tolist()
+    one, two = Model.load(bundle), Model.load(two_branch)
+    assert np.array_equal(_decoded_logprobs(one, ids, 1), _decoded_logprobs(two, ids, 1))  # every step decodes
+    assert np.abs(_decoded_logprobs(one, ids, 40) - _decoded_logprobs(two, ids, 40)).max() < 1e-4
+    # verify's cross-runtime check feeds whole prompts: to the prefill graph (model.onnx would refuse them)
+    cpu = ["CPUExecutionProvider", "CPUExecutionProvider"]
+    check = compare_runtimes(bundle, json.loads((bundle / "manifest.json").read_text()), providers=cpu)
+    assert check.status == "pass", check.detail
+    state = OrtCacheState(one._backend.graph, one._backend.vocab_size)  # model.onnx alone, no prefill graph
+    state.reset()
+    with pytest.raises(Exception, match="Non-zero status code"):
+        state.run(np.array(ids[:3], np.int64), 0, last_only=True)

@@ -275,6 +275,53 @@ def _if_decode(b: Body, compression: Compression, branches: dict, body_out: dict
     )
 
 
+BRANCHES = {"decode": ("then_branch", "decode_step"), "general": ("else_branch", "general_step")}
+
+
+def single_branch(function: onnx.FunctionProto, kind: str) -> onnx.FunctionProto:
+    """The op's body with its ``If`` replaced by one branch: ``general`` (any call: the same meaning) or
+    ``decode`` (the one-token branch: calls of one token only; a call of more fails, its Reshape of q into
+    [B,Hkv,G,D] cannot take them). A bundle whose prompt chunks run on a graph of their own
+    (``prefill.onnx``) decodes on a graph holding only the decode branch: no ``If`` to run per layer and step.
+    A body without the ``If``: a copy, as it is."""
+    attribute, graph_name = BRANCHES[kind]
+    body = onnx.FunctionProto()
+    body.CopyFrom(function)
+    switch = [node for node in body.node if node.op_type == "If"]
+    if not switch:
+        return body
+    (node,) = switch
+    branch = next(a.g for a in node.attribute if a.name == attribute)
+    if branch.name != graph_name:
+        raise ValueError(f"{function.name}: the If's {attribute} is {branch.name!r}, not {graph_name!r}")
+    taken = list(branch.node)
+    # the branch's results carry the If's output names (each branch ends in an Identity per output)
+    renamed = {result.name: output for result, output in zip(branch.output, node.output, strict=True)}
+    for inner in taken:
+        inner.output[:] = [renamed.get(name, name) for name in inner.output]
+    index = list(body.node).index(node)
+    nodes = [*body.node[:index], *taken, *body.node[index + 1 :]]
+    needed = set(body.output)
+    kept = []
+    for inner in reversed(nodes):  # drop what only the If's condition read (the Shape/Squeeze/Equal of T)
+        if any(name in needed for name in inner.output):
+            kept.append(inner)
+            needed |= set(inner.input) | _subgraph_inputs(inner)
+    del body.node[:]
+    body.node.extend(reversed(kept))
+    return body
+
+
+def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
+    """Every name a node's subgraphs (If branches) read, outer-scope names among them."""
+    names: set[str] = set()
+    for attribute in node.attribute:
+        if attribute.type == AttributeProto.GRAPH:
+            for inner in attribute.g.node:
+                names |= set(inner.input) | _subgraph_inputs(inner)
+    return names
+
+
 def _rotation_constants(b: Body, compression: Compression, heads: Heads) -> tuple[str, str, str, str]:
     """H/√D [D,D] and the signs shaped for q [B,H,T,D] ([H,1,D]), k/v [B,Hkv,T,D] ([Hkv,1,D]) and the output
     [B,T,H,D] ([H,D]); each query head takes its KV head's signs."""

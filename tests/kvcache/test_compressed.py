@@ -81,9 +81,11 @@ def _run(
     protect_at=(),
     in_place=False,
     grid=0.0,
+    decode_sess=None,
     **kw,
 ):
-    """``grid`` > 0 rounds the inputs to its multiples: with a power of two and a head dim that is a power of four,
+    """``decode_sess``: one-token steps run on it, longer ones on ``sess`` (a bundle's two graphs over one state).
+    ``grid`` > 0 rounds the inputs to its multiples: with a power of two and a head dim that is a power of four,
     a rotation's products and sums are exact in float32 in any order, so ONNX Runtime and numpy store the same
     bytes (otherwise their summation orders may differ in the last bit and tip a rounding)."""
     rng = np.random.default_rng(seed)
@@ -104,19 +106,20 @@ def _run(
             q, k, v, positions, protect, state, compression, scale=scale, window=window
         )
         feeds = dict(q=q, k=k, v=v, position_ids=positions, protect=protect)
+        step = decode_sess if decode_sess is not None and count == 1 else sess
         if in_place:
-            binding = sess.io_binding()
+            binding = step.io_binding()
             binding.bind_output("out")  # first: copy_outputs_to_cpu returns outputs in binding order
             for name, value in feeds.items():
                 binding.bind_cpu_input(name, value)
             for name, value in bound.items():
                 binding.bind_ortvalue_input(name, value)
                 binding.bind_ortvalue_output(f"{name}_out", value)
-            sess.run_with_iobinding(binding)
+            step.run_with_iobinding(binding)
             got_out = binding.copy_outputs_to_cpu()[0]
             got = {name: value.numpy() for name, value in bound.items()}
         else:
-            results = sess.run(None, feeds | mine)
+            results = step.run(None, feeds | mine)
             got_out = results[0]
             got = dict(zip(cf.state_names(compression), results[1:], strict=True))
             mine = got
@@ -252,3 +255,54 @@ def test_fused_prompt_attention_falls_back_where_slots_do_not_extend():
     model = compressed_model(4, 2, 16, 12, compression, scale=0.25, fused=True)
     steps = [(20, 6), (0, 5), (26, 1), (10, 4)]  # a chunk of earlier positions after later ones
     _run(_session(model), compression, 4, 2, 16, 12, steps, seed=12, in_place=True)
+
+
+# --- one branch per graph: a bundle with a prompt-chunk graph decodes on the decode branch alone -------------------
+def _one_branch_model(model: onnx.ModelProto, kind: str) -> onnx.ModelProto:
+    specialised = onnx.ModelProto()
+    specialised.CopyFrom(model)
+    (function,) = specialised.functions
+    function.CopyFrom(cf.single_branch(function, kind))
+    return specialised
+
+
+@pytest.mark.parametrize(
+    "dtype,policy,fused",
+    [("int8", "snapkv", True), ("int4", "h2o", True), ("fp8", "tova", False), ("fp32", "streaming", True)],
+)
+def test_one_branch_graphs_match_reference_in_place(dtype, policy, fused):
+    """The general branch alone for multi-token steps and the decode branch alone for one-token steps, one set of
+    buffers bound to both (as the runtime binds model.onnx and prefill.onnx): the reference's slots, bytes, scores
+    and outputs. Neither body holds the decode/general If (the general one keeps its fused-attention fallback);
+    the decode body refuses a call of more than one token."""
+    heads, kv_heads, head_dim, capacity = SHAPES[len(dtype) % len(SHAPES)]
+    compression = Compression(capacity=capacity, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
+    model = compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.3, fused=fused)
+    general, decode = (_one_branch_model(model, kind) for kind in ("general", "decode"))
+    for specialised in (general, decode):
+        onnx.checker.check_model(specialised, full_check=True)
+    branches = {a.g.name for node in general.functions[0].node if node.op_type == "If" for a in node.attribute}
+    assert branches == ({"fast_attention", "full_attention"} if fused and policy != "h2o" else set())
+    assert not any(node.op_type == "If" for node in decode.functions[0].node)
+    assert any(node.op_type == "TopK" for node in general.functions[0].node)
+    assert not any(node.op_type == "TopK" for node in decode.functions[0].node)
+    body = decode.functions[0]
+    read = set(body.output) | {name for node in body.node for name in node.input}
+    assert all(set(node.output) & read for node in body.node)  # nothing left that only the If's condition read
+    chunks, decoder = _session(general), _session(decode)
+    seed = hash((dtype, policy, "branches")) % 1000
+    _run(
+        chunks,
+        compression,
+        heads,
+        kv_heads,
+        head_dim,
+        capacity,
+        STEPS,
+        seed,
+        in_place=True,
+        decode_sess=decoder,
+        scale=0.3,
+    )
+    with pytest.raises(Exception, match="Non-zero status code"):  # q [B,H,3,D] cannot be reshaped to [B,Hkv,G,D]
+        _run(decoder, compression, heads, kv_heads, head_dim, capacity, [(0, 3)], seed, scale=0.3)
