@@ -260,3 +260,39 @@ def test_compressed_cache_decodes_on_its_branch_alone(built, tmp_path):
     state.reset()
     with pytest.raises(Exception, match="Non-zero status code"):
         state.run(np.array(ids[:3], np.int64), 0, last_only=True)
+
+
+@pytest.mark.slow
+def test_mixed_cache_decodes_on_its_branch_alone(mixed_gguf, tmp_path):
+    """The one-branch split (decode branch in model.onnx, general in prefill.onnx) also holds for the mixed-precision
+    body (two slot pools, --kv-mixed): same answers as the two-branch graph, bit for bit in decode."""
+    import onnx
+
+    from edgec.build import BuildSettings, build
+    from edgec.kvcache import compressed_function as cf
+    from edgec.runtime import Model
+
+    bundle = tmp_path / "mixed"
+    kv = Compression(capacity=40, sink=2, window=8, dtype="int4", mixed="int8")  # evicts, demotes
+    build(mixed_gguf, bundle, BuildSettings(context=128, prefill_chunk=32, weights="int4", kv=kv))
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["model"]["prefill_file"] == "prefill.onnx"
+    model = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
+    (body,) = [f for f in model.functions if f.name == cf.OP_TYPE]
+    assert not any(node.op_type == "If" for node in body.node)
+    two_branch = tmp_path / "two-branch"
+    shutil.copytree(bundle, two_branch)
+    opset = next(entry.version for entry in model.opset_import if entry.domain == "")
+    layer = manifest["cache"]["layers"][0]
+    heads = cf.Heads(HEADS, layer["num_kv_heads"], layer["head_dim"])
+    full = cf.make_function(Compression.from_json(manifest["cache"]["compression"]), opset, heads, fused_attention=True)
+    assert any(node.op_type == "If" for node in full.node)
+    (index,) = [i for i, f in enumerate(model.functions) if f.name == cf.OP_TYPE]
+    model.functions[index].CopyFrom(full)
+    onnx.save(model, str(two_branch / "model.onnx"))
+    manifest["files"]["model.onnx"]["size"] = (two_branch / "model.onnx").stat().st_size
+    (two_branch / "manifest.json").write_text(json.dumps(manifest))
+    ids = np.random.default_rng(7).integers(0, 384, 60).tolist()
+    one, two = Model.load(bundle), Model.load(two_branch)
+    assert np.array_equal(_decoded_logprobs(one, ids, 1), _decoded_logprobs(two, ids, 1))
+    assert np.abs(_decoded_logprobs(one, ids, 40) - _decoded_logprobs(two, ids, 40)).max() < 1e-4
