@@ -119,7 +119,8 @@ def gemma3(tmp_path_factory, tiny_tokenizer):
     return folder, model
 
 
-@pytest.mark.parametrize("target", ["cpu", "cpu-portable"])
+# the cpu-portable body in the slow tier: the default tier's budget (the cpu target is the one users get)
+@pytest.mark.parametrize("target", ["cpu", pytest.param("cpu-portable", marks=pytest.mark.slow)])
 def test_gemma3_logits_match_transformers(gemma3, target, tmp_path):
     """60 tokens in chunks of 16: past the window (16) and past the sliding layers' ring of slots (16 + 16)."""
     folder, model = gemma3

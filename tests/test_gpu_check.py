@@ -138,6 +138,7 @@ def long_tiny_llama(tmp_path_factory, tiny_tokenizer):
     )
 
 
+@pytest.mark.slow  # ~20 s: the default tier's budget; the script's pieces are tested above
 def test_prepare_then_check_end_to_end_on_the_cpu(long_tiny_llama, tmp_path):
     """The prepare step builds and packs (here without wheels: this Python has the runtime), then the check reads
     the pack on a pretend H200, unpacks the bundle (every file checked) and measures it in a child process — the

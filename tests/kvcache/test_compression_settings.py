@@ -24,6 +24,9 @@ def test_flags_are_derived_from_the_fields():
         "kv_rotation": "rotation",
         "kv_rotation_seed": "rotation_seed",
         "kv_mixed": "mixed",
+        "kv_recall": "recall",
+        "kv_recall_block": "recall_block",
+        "kv_recall_every": "recall_every",
     }
     assert Compression.from_flags({"capacity": None, "dtype": None}) is None  # nothing asked for
     assert Compression.from_flags({"dtype": "int8"}) == Compression(dtype="int8")
@@ -35,11 +38,15 @@ def test_schema_is_derived_from_the_fields():
     built = Compression(dtype="int8").resolved(4096)
     assert schema_errors(built.to_json(), Compression.schema()) == []
     assert schema_errors({**built.to_json(), "group": "32"}, Compression.schema())
-    optional = {"rotation", "rotation_seed", "mixed"}
+    recall = {"recall", "recall_block", "recall_every"}
+    optional = {"rotation", "rotation_seed", "mixed"} | recall
     assert {name.rstrip("?") for name in Compression.schema()} == set(built.to_json()) | optional
     rotated = Compression(dtype="int4", rotation="hadamard", mixed="int8").resolved(4096)
     assert schema_errors(rotated.to_json(), Compression.schema()) == []
-    assert set(rotated.to_json()) == {name.rstrip("?") for name in Compression.schema()}
+    assert set(rotated.to_json()) | recall == {name.rstrip("?") for name in Compression.schema()}
+    recalling = Compression(dtype="int8", rotation="hadamard", recall=2).resolved(4096)  # recall takes one pool
+    assert schema_errors(recalling.to_json(), Compression.schema()) == []
+    assert set(recalling.to_json()) | {"mixed"} == {name.rstrip("?") for name in Compression.schema()}
 
 
 @pytest.mark.parametrize(
