@@ -7,7 +7,8 @@ process with the runtimes (and thread counts) alternating.
 Each round, for each thread count and runtime: prefill the 8000-token prompt, then 64 greedy decode steps.
 Ratios are medians of per-round ratios (each pair ran in the same round): decode against onnxruntime-genai int4
 and fp32, prefill of the compressed bundle against edgec int4's plain prefill and genai fp32's. Every runtime
-runs with its defaults (edgec: the runtime's own spinning choice, no EDGEC_ORT_SPIN). Peak RSS per runtime in its
+runs with its defaults (edgec: spinning at each thread count as the bundle's calibration on this machine measured
+it — what `edgec run` does on its first start — no EDGEC_ORT_SPIN). Peak RSS per runtime in its
 own fresh process. The compressed bundle uses the default ``--prefill-compress end`` (the prompt is read whole,
 then 1024 slots per head are kept) and snapkv. onnxruntime-genai pre-allocates its cache for max_length
 (prompt + 72 here) and attends over all of it.
@@ -76,7 +77,8 @@ class EdgecRunner:
         from edgec.runtime import Model
 
         self.name = name
-        self.model = Model.load(OUT / BUNDLES[name][0], threads=threads)
+        # as `edgec run` loads: spinning at this thread count by this machine's stored calibration (measured once)
+        self.model = Model.load(OUT / BUNDLES[name][0], threads=threads, calibrate=True)
 
     def run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
         return measure.time_edgec(self.model, ids, new_tokens)

@@ -481,6 +481,16 @@ def generation_options(command):
         click.option(
             "--trust", multiple=True, type=click.Path(path_type=Path), help="Run only if signed by this public key."
         ),
+        click.option(
+            "--threads", type=click.IntRange(1), default=None, help="ONNX Runtime threads [default: calibrated]."
+        ),
+        click.option(
+            "--calibrate/--no-calibrate",
+            default=True,
+            show_default=True,
+            help="Measure threads and spinning for this bundle on this machine once (stored in ~/.cache/edgec); "
+            "--no-calibrate: use a stored calibration only, else ONNX Runtime's defaults.",
+        ),
         kv_options(at_load=True),
     ]
     for option in reversed(options):
@@ -907,6 +917,48 @@ def bench(bundle, vs, contexts, new_tokens, rounds, threads, text, json_out, plo
         from edgec.plots import bench_plot
 
         _write_plots(lambda: [bench_plot(report, plot)])
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--steps", type=click.IntRange(4, 512), default=16, show_default=True, help="Timed decode steps each.")
+@click.option("--max-threads", type=click.IntRange(1), default=None, help="Try up to this many [default: the cores].")
+@click.option("--dry-run", is_flag=True, help="Measure and print; do not store.")
+def calibrate(bundle, steps, max_threads, dry_run) -> None:
+    """Measure decode speed for each thread count (1, 2, 4, … up to the cores) with ONNX Runtime's threads spinning
+    and not, and store the fastest for this bundle on this machine; later loads (``edgec run``, ``chat``,
+    ``serve``, ``Model.load``) use it. ``edgec run`` does this by itself the first time; run it again after the
+    machine changes (another CPU or core count is calibrated anew by itself).
+
+    \b
+    Example:
+      edgec calibrate smol.cpu.edgec
+    """
+    from edgec.bundle import open_bundle
+    from edgec.errors import BundleError
+    from edgec.runtime.calibration import calibrate as measure
+    from edgec.runtime.calibration import candidates, usable_cpus
+
+    manifest = open_bundle(bundle)
+    providers = manifest["runtime"].get("providers") or ["CPUExecutionProvider"]
+    if manifest["runtime"]["library"] != "onnxruntime" or providers[0] != "CPUExecutionProvider":
+        raise BundleError(f"{bundle} does not run on ONNX Runtime's CPU provider: there are no CPU threads to choose")
+    settings = candidates(min(max_threads or usable_cpus(), usable_cpus()))
+
+    def report(setting, ms) -> None:
+        click.echo(f"  {setting.label:<22} {ms:8.2f} ms/step  ({1000 / ms:.1f} tokens/s)")
+
+    click.echo(f"timing {steps} decode steps per setting ({len(settings)} settings)")
+    result = measure(bundle, settings, steps=steps, store=not dry_run, report=report)
+    click.echo(f"fastest: {result.best.label} ({result.step_ms[result.best]:.2f} ms/step)")
+    if result.stored is not None:
+        click.echo(f"stored: {result.stored}")
+    elif not dry_run:
+        click.echo(
+            f"not stored: other programs kept {result.busy:.1f} cores busy while measuring; run again on a quiet "
+            "machine (this load would use the result above)",
+            err=True,
+        )
 
 
 @main.command()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton kernels (plugins/) run interpreted on the CPU: Triton reads this when it is first imported (torch may
 # import it), so it is set before anything else; compiling PTX happens in a child process without it
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# what the runtime stores per user (calibrations, TensorRT-RTX runtime caches) goes to a folder of this run's own
+os.environ.setdefault("EDGEC_CACHE_DIR", tempfile.mkdtemp(prefix="edgec-test-cache-"))
 
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

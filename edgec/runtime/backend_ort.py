@@ -57,11 +57,12 @@ class StateDevice(NamedTuple):
         return cls(kind, int(device_id) if str(device_id).isdigit() else 0)
 
 
-def session_options(threads: int | None) -> ort.SessionOptions:
+def session_options(threads: int | None, spin: bool | None = None) -> ort.SessionOptions:
+    """``spin`` None: chosen by ``allow_spinning``; True/False as given (a calibration's measured choice)."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
-    spin = allow_spinning(threads)
+    spin = allow_spinning(threads) if spin is None else spin
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     if threads:
         options.intra_op_num_threads = threads
@@ -114,13 +115,14 @@ class OrtGraph:
         threads: int | None,
         provider_options: dict[str, dict[str, str]] | None,
         exact: bool,
+        spin: bool | None = None,
     ) -> None:
         per_provider = [(provider_options or {}).get(name, {}) for name in providers]
         self.device = StateDevice.for_providers(providers, provider_options)
         if providers[0] == "CUDAExecutionProvider":
             check_cuda_can_start()
         self.session = ort.InferenceSession(
-            str(model_path), session_options(threads), providers=providers, provider_options=per_provider
+            str(model_path), session_options(threads, spin), providers=providers, provider_options=per_provider
         )
         if providers[0] not in self.session.get_providers():  # ONNX Runtime logs why, then runs on the CPU
             raise BundleError(
@@ -373,17 +375,18 @@ def open_backend(
     provider_options: dict[str, dict[str, str]] | None = None,
     threads: int | None = None,
     exact: bool = True,
+    spin: bool | None = None,
 ) -> OrtBackend | StaticOrtBackend:
     """The backend for a bundle's ``model`` section (its manifest entry): one dynamic graph, or two static ones.
     ``exact``: the spec names every state tensor the graph has (format v2); False narrows it to the graph's."""
     vocab = int(model["vocab_size"])
-    first = OrtGraph(folder / model["file"], spec, providers, threads, provider_options, exact)
+    first = OrtGraph(folder / model["file"], spec, providers, threads, provider_options, exact, spin)
     if "decode_file" not in model:
         prefill = None
         if "prefill_file" in model:
-            prefill = OrtGraph(folder / model["prefill_file"], spec, providers, threads, provider_options, exact)
+            prefill = OrtGraph(folder / model["prefill_file"], spec, providers, threads, provider_options, exact, spin)
         return OrtBackend(first, vocab, prefill_chunk, prefill)
-    decode = OrtGraph(folder / model["decode_file"], spec, providers, threads, provider_options, exact)
+    decode = OrtGraph(folder / model["decode_file"], spec, providers, threads, provider_options, exact, spin)
     return StaticOrtBackend(first, decode, vocab, int(model["static_tokens"]))
 
 

@@ -84,6 +84,7 @@ class Model:
         kv_capacity: int | None = None,
         prefill_compress: str | None = None,
         providers: list[str] | None = None,
+        spin: bool | None = None,
         **recall: int | None,
     ) -> None:
         self.path = path
@@ -102,7 +103,8 @@ class Model:
             ChatFormat.from_json(chat) if chat else None,
             manifest["tokenizer"].get("chat_note", ""),
         )
-        self._backend = _backend(path, manifest, self.cache_spec, self.vocab_size, threads, providers)
+        self._backend = _backend(path, manifest, self.cache_spec, self.vocab_size, threads, providers, spin)
+        self.threads, self.spin = threads, spin  # as asked or calibrated (None: ONNX Runtime's default / the load rule)
         self.cache_spec = self._backend.spec  # a format-v1 bundle's spec, narrowed to what its graph carries
         # one cache state per running generation; idle ones are kept for the next (their buffers are reused)
         self._idle: list[CacheState] = []
@@ -199,6 +201,8 @@ class Model:
         kv_recall: int | None = None,
         kv_recall_block: int | None = None,
         kv_recall_every: int | None = None,
+        spin: bool | None = None,
+        calibrate: bool = False,
     ) -> Model:
         """Open a bundle folder. Always checked first: the manifest's schema and bounds, every listed file present
         as a regular file inside the bundle with its size, every path the manifest or the graph names is one of
@@ -210,12 +214,22 @@ class Model:
         (``end``/``chunk``) how long prompts are read; both default to the manifest's. ``providers`` overrides
         the ONNX Runtime execution providers the bundle names (for testing a lowering on another provider, e.g.
         a CANN bundle on the CPU). ``kv_recall`` (blocks; 0 = off), ``kv_recall_block`` and ``kv_recall_every``
-        change the hierarchical cache's settings of a bundle built with ``--kv-recall`` (docs/kv-cache.md)."""
+        change the hierarchical cache's settings of a bundle built with ``--kv-recall`` (docs/kv-cache.md).
+        Threads and spinning (ONNX Runtime bundles): ``threads`` and ``spin`` as given; what is not given comes
+        from this bundle's calibration on this machine when one is stored (``calibrate=True`` measures it first
+        when none is: a few seconds, once; ``edgec.runtime.calibration``), else ONNX Runtime's thread default
+        and spinning chosen from the machine's load."""
         path = Path(path)
         manifest = open_bundle(path, check_hashes=check_hashes, trust=trust)
         recall = dict(kv_recall=kv_recall, kv_recall_block=kv_recall_block, kv_recall_every=kv_recall_every)
+        runs_on = (providers or manifest["runtime"].get("providers") or ["CPUExecutionProvider"])[0]
+        on_cpu = manifest["runtime"].get("library") == "onnxruntime" and runs_on == "CPUExecutionProvider"
+        if on_cpu and (threads is None or spin is None):
+            from edgec.runtime.calibration import resolve
+
+            threads, spin = resolve(path, threads, spin, calibrate)
         try:
-            return cls(path, manifest, threads, kv_capacity, prefill_compress, providers, **recall)
+            return cls(path, manifest, threads, kv_capacity, prefill_compress, providers, spin, **recall)
         except MemoryError:
             raise BundleError(f"{path} needs more memory than this machine can give (its cache or logits)") from None
         except Exception as error:  # ONNX Runtime's own exception types (InvalidGraph, Fail, ...) are not ours
@@ -644,6 +658,7 @@ def _backend(
     vocab_size: int,
     threads: int | None,
     providers: list[str] | None = None,
+    spin: bool | None = None,
 ) -> Backend:
     """The backend the manifest names; a missing library or provider is an error naming the extra — never a
     silent fallback to another device. ``providers`` (an explicit override) replaces the manifest's."""
@@ -685,6 +700,7 @@ def _backend(
         runtime.get("provider_options"),
         threads,
         exact,
+        spin,
     )
 
 

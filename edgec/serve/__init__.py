@@ -48,7 +48,7 @@ def load_server(
 
     if max_sessions < 1 or queue_size < 0:
         raise BuildSettingsError("--max-sessions must be ≥ 1 and --queue ≥ 0")
-    model = Model.load(bundle, threads=threads)
+    model = Model.load(bundle, threads=threads, calibrate=True)
     compression = model.cache_spec.compression
     minimum = compression.sink + compression.window + 1 if compression else 0
     capacities = capacity_steps(compression.capacity if model.cache_resizable else None, minimum)
