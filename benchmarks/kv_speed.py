@@ -222,6 +222,7 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rows = results["rows"]
     labels = list(rows)
@@ -234,6 +235,7 @@ def plot(results: dict, path: Path) -> None:
     axes[1].set_yticks([])
     axes[2].barh(labels, [rows[n]["kv_bytes"] / 2**20 for n in labels], color=colors)
     axes[2].set_xscale("log")
+    axes[2].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # 2×10¹, 3×10¹… overlapped
     axes[2].set_xlabel("KV cache MiB (log, lower is better)")
     axes[2].set_yticks([])
     figure.suptitle(f"SmolLM2-135M, {results['machine']}, {results['date']}")

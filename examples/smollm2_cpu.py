@@ -35,7 +35,7 @@ def main() -> None:
 
     from edgec.runtime import Model  # what an application embeds: numpy + onnxruntime + tokenizers only
 
-    model = Model.load(BUNDLE)
+    model = Model.load(BUNDLE, calibrate=True)  # threads and spinning measured once on this machine, then stored
     print(f"\n> {question}\n")
     for piece in model.generate(question, chat=True, max_new_tokens=128, stream=True):
         print(piece, end="", flush=True)
