@@ -37,6 +37,7 @@ import models  # noqa: E402
 OUT = models.OUT
 CONTEXT = 8192
 COMPRESSED, PLAIN_INT4 = "edgec int4, 1024 int8 slots", "edgec int4, full fp32 cache"
+ONE_ROW = "edgec int4 one row of int8 activations, 1024 int8 slots"
 BUNDLES = {  # runner name → (bundle folder, extra edgec build options)
     "edgec fp32, full fp32 cache": ("kv/smollm2-plain.edgec", []),
     PLAIN_INT4: ("kv/smollm2-plain-int4.edgec", ["--weights", "int4"]),
@@ -44,13 +45,22 @@ BUNDLES = {  # runner name → (bundle folder, extra edgec build options)
         "kv/smollm2-speed-int4-int8.edgec",
         ["--weights", "int4", "--kv-capacity", "1024", "--kv-dtype", "int8"],
     ),
+    # genai int4's own arithmetic (one row of int8 activations), not the exact default: only with --runtimes
+    ONE_ROW: (
+        "kv/smollm2-speed-int4-int8-onerow.edgec",
+        ["--weights", "int4", "--kv-capacity", "1024", "--kv-dtype", "int8", "--no-split-activations"],
+    ),
 }
 GENAI_FP32, GENAI_INT4 = "onnxruntime-genai fp32", "onnxruntime-genai int4"
 GENAI = {GENAI_FP32: "genai-fp32", GENAI_INT4: "genai-int4"}
 
 
-def prepare() -> None:
-    for folder, options in BUNDLES.values():
+def prepare(names: list[str] | None = None) -> None:
+    """Build the bundles of ``names`` (default: all but the one-row variant) and the fp32 one (its tokenizer)."""
+    wanted = names or [name for name in BUNDLES if name != ONE_ROW]
+    for name, (folder, options) in BUNDLES.items():
+        if name not in wanted and name != "edgec fp32, full fp32 cache":
+            continue
         path = OUT / folder
         if not (path / "manifest.json").exists():
             command = [sys.executable, "-m", "edgec.cli", "build", str(models.smollm2_gguf()), "-o", str(path)]
@@ -135,14 +145,14 @@ def main() -> None:
         measured.run(prompt_ids(args.prompt), args.new_tokens)
         print(measure.peak_rss_gb())
         return
-    prepare()
-    ids = prompt_ids(args.prompt)
-    names = [*BUNDLES, *GENAI]
+    names = [name for name in [*BUNDLES, *GENAI] if name != ONE_ROW or args.runtimes]  # the default: exact int4
     if args.runtimes:
         unknown = set(args.runtimes.split(";")) - set(names)
         if unknown:
             sys.exit(f"unknown runtime(s) {sorted(unknown)}; choose from {names}")
         names = [name for name in names if name in args.runtimes.split(";")]
+    prepare(names)
+    ids = prompt_ids(args.prompt)
     runners = {(threads, name): runner(name, threads) for threads in thread_counts for name in names}
     for measured in runners.values():  # warm-up
         measured.run(ids[:256], 4)

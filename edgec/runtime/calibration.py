@@ -35,6 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from edgec.errors import one_line
+
 FORMAT = 1
 MAX_FILE_BYTES = 64 * 1024
 PROMPT_TOKENS = 32
@@ -202,8 +204,11 @@ def decode_step_ms(bundle: Path, setting: Setting, steps: int = TIMED_STEPS) -> 
 
     with Model.load(bundle, threads=setting.threads, spin=setting.spin) as model:
         vocab = model.vocab_size
-        ids = [(7 + 31 * i) % vocab for i in range(PROMPT_TOKENS + WARMUP_STEPS + steps)]  # content is irrelevant
-        stream = model.iter_logits(ids, prompt_tokens=PROMPT_TOKENS)
+        total = max(3, min(PROMPT_TOKENS + WARMUP_STEPS + steps, model.context))  # a short context: fewer steps
+        prompt = max(1, min(PROMPT_TOKENS, total // 4))
+        steps = min(steps, total - prompt - 1)
+        ids = [(7 + 31 * i) % vocab for i in range(total)]  # content is irrelevant
+        stream = model.iter_logits(ids, prompt_tokens=prompt)
         times = []
         try:
             for position, _ in stream:
@@ -229,7 +234,11 @@ def resolve(
     found = stored_calibration(bundle)
     if found is None and calibrate_missing:
         log.info("measuring threads and spinning for this bundle on this machine (once)")
-        found = calibrate(bundle)
+        try:
+            found = calibrate(bundle)
+        except Exception as error:  # a measurement that cannot run must not stop the load: the old defaults then
+            log.warning("calibration failed (%s): ONNX Runtime's thread default", one_line(error))
+            found = None
     if found is None:
         return threads, spin
     chosen = found.best if threads is None else found.best_at(threads)

@@ -142,6 +142,8 @@ def test_real_measurement_and_the_command(tiny_bundle, monkeypatch):
     monkeypatch.setattr(calibration, "usable_cpus", lambda: 2)
     ms = calibration.decode_step_ms(tiny_bundle, Setting(1, False), steps=4)
     assert 0 < ms < 5000
+    # more steps than the context holds: as many as fit, not a prompt the bundle refuses
+    assert 0 < calibration.decode_step_ms(tiny_bundle, Setting(1, False), steps=400) < 5000
     result = CliRunner().invoke(main, ["calibrate", str(tiny_bundle), "--steps", "4"])
     assert result.exit_code == 0, result.output
     assert "fastest:" in result.output and "stored:" in result.output
@@ -188,3 +190,13 @@ def test_edgec_run_calibrates_once_unless_told_not_to(tiny_bundle, monkeypatch):
     assert stored_calibration(tiny_bundle).best == Setting(1, False)
     named = CliRunner().invoke(main, ["run", str(tiny_bundle), "Hello", "-n", "2", "-q", "--threads", "2"])
     assert named.exit_code == 0, named.output
+
+
+def test_a_measurement_that_fails_does_not_stop_the_load(tiny_bundle, monkeypatch):
+    def broken(bundle, setting, steps):
+        raise RuntimeError("no\nway")
+
+    monkeypatch.setattr(calibration, "decode_step_ms", broken)
+    assert resolve(tiny_bundle, None, None, calibrate_missing=True) == (None, None)
+    assert Model.load(tiny_bundle, calibrate=True).threads is None
+    assert stored_calibration(tiny_bundle) is None
