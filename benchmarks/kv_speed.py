@@ -14,7 +14,8 @@ then 1024 slots per head are kept) and snapkv. onnxruntime-genai pre-allocates i
 (prompt + 72 here) and attends over all of it.
 Results: benchmarks/out/kv_speed.json / kv_speed.png (kv_speed-subset.* with --runtimes); the printed table goes
 into docs/BENCHMARKS.md. Quick checks: ``--runtimes "edgec int4, 1024 int8 slots;onnxruntime-genai int4" --rss none
---prompt 2000``.
+--prompt 2000``. ``--runtimes`` may also name "edgec int4 one row of int8 activations, 1024 int8 slots": the
+same cache with ``--no-split-activations`` (onnxruntime-genai int4's own arithmetic, not the exact default).
 """
 
 from __future__ import annotations
