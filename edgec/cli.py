@@ -937,11 +937,9 @@ def calibrate(bundle, steps, max_threads, dry_run) -> None:
     from edgec.bundle import open_bundle
     from edgec.errors import BundleError
     from edgec.runtime.calibration import calibrate as measure
-    from edgec.runtime.calibration import candidates, usable_cpus
+    from edgec.runtime.calibration import candidates, runs_on_cpu, usable_cpus
 
-    manifest = open_bundle(bundle)
-    providers = manifest["runtime"].get("providers") or ["CPUExecutionProvider"]
-    if manifest["runtime"]["library"] != "onnxruntime" or providers[0] != "CPUExecutionProvider":
+    if not runs_on_cpu(open_bundle(bundle)):
         raise BundleError(f"{bundle} does not run on ONNX Runtime's CPU provider: there are no CPU threads to choose")
     settings = candidates(min(max_threads or usable_cpus(), usable_cpus()))
 

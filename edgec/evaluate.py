@@ -410,7 +410,9 @@ def _open_reference(path: Path, threads: int | None):
 def machine() -> dict[str, Any]:
     import onnxruntime
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from edgec.runtime.calibration import usable_cpus
+
+    cores = usable_cpus()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {
         "platform": f"{platform.system()} {platform.machine()}",

@@ -28,6 +28,7 @@ import numpy as np
 from edgec.errors import BundleError
 from edgec.kvcache.reference import select_slots
 from edgec.kvcache.spec import PROTECT_INPUT, CacheSpec, StateTensor
+from edgec.runtime.user_cache import user_cache_dir
 
 EXTRA = "pip install 'edgec[tensorrt-rtx]'"
 IO_INPUTS = ("input_ids", "position_ids", "logits_index")
@@ -102,7 +103,7 @@ def _cuda_version(number: int) -> str:
 
 def runtime_cache_path(engine_sha256: str, properties: Any, library_version: str) -> Path:
     """Where the kernels TensorRT-RTX compiles for this engine on this GPU are kept between runs."""
-    root = Path(os.environ.get("EDGEC_CACHE_DIR") or Path.home() / ".cache" / "edgec") / "tensorrt-rtx"
+    root = user_cache_dir() / "tensorrt-rtx"
     uuid = getattr(properties, "uuid", b"")
     uuid = bytes(getattr(uuid, "bytes", uuid) or b"")
     gpu = hashlib.sha256(uuid + f"{properties.major}.{properties.minor}".encode()).hexdigest()[:16]

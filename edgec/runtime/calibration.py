@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from edgec.errors import one_line
+from edgec.runtime.user_cache import user_cache_dir
 
 FORMAT = 1
 MAX_FILE_BYTES = 64 * 1024
@@ -112,29 +113,33 @@ def candidates(cpus: int) -> list[Setting]:
     return [Setting(n, spin) for n in counts for spin in ((True, False) if n > 1 else (False,))]
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("EDGEC_CACHE_DIR") or Path.home() / ".cache" / "edgec")
-
-
 def bundle_key(bundle: Path) -> str:
     """SHA-256 of the manifest: it hashes every file of the bundle, so a rebuilt bundle is measured again."""
     return hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()
 
 
-def calibration_file(bundle: Path, machine: str | None = None) -> Path:
-    key = hashlib.sha256(f"{bundle_key(bundle)}\n{machine or machine_key()}".encode()).hexdigest()[:40]
-    return cache_root() / "calibration" / f"{key}.json"
+def calibration_file(bundle_sha256: str, machine: str) -> Path:
+    key = hashlib.sha256(f"{bundle_sha256}\n{machine}".encode()).hexdigest()[:40]
+    return user_cache_dir() / "calibration" / f"{key}.json"
+
+
+def runs_on_cpu(manifest: dict[str, Any], providers: list[str] | None = None) -> bool:
+    """Whether a bundle (its manifest; ``providers``: a load's override) runs on ONNX Runtime's CPU provider — the
+    only case with CPU threads to choose."""
+    runtime = manifest["runtime"]
+    first = (providers or runtime.get("providers") or ["CPUExecutionProvider"])[0]
+    return runtime.get("library") == "onnxruntime" and first == "CPUExecutionProvider"
 
 
 def stored_calibration(bundle: Path) -> Calibration | None:
     """The calibration stored for this bundle on this machine, or None (none, or a file that is not a valid one)."""
-    machine = machine_key()
-    path = calibration_file(bundle, machine)
+    machine, key = machine_key(), bundle_key(bundle)
+    path = calibration_file(key, machine)
     try:
         if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
             return None
         data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("format") != FORMAT or data.get("bundle") != bundle_key(bundle) or data.get("machine") != machine:
+        if data.get("format") != FORMAT or data.get("bundle") != key or data.get("machine") != machine:
             return None
         cpus = usable_cpus()
         step_ms = {}
@@ -186,11 +191,12 @@ def calibrate(
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     result = Calibration(best, step_ms, machine_key(), stamp, max(busy))
     if store and result.busy <= BUSY_LIMIT:
-        path = calibration_file(bundle, result.machine)
+        key = bundle_key(bundle)
+        path = calibration_file(key, result.machine)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = path.with_suffix(f".tmp{os.getpid()}")
-            temporary.write_text(json.dumps(result.to_json(bundle_key(bundle)), indent=1), encoding="utf-8")
+            temporary.write_text(json.dumps(result.to_json(key), indent=1), encoding="utf-8")
             os.replace(temporary, path)
             result.stored = path
         except OSError as error:  # a read-only home: the measurement still serves this load

@@ -222,12 +222,11 @@ class Model:
         path = Path(path)
         manifest = open_bundle(path, check_hashes=check_hashes, trust=trust)
         recall = dict(kv_recall=kv_recall, kv_recall_block=kv_recall_block, kv_recall_every=kv_recall_every)
-        runs_on = (providers or manifest["runtime"].get("providers") or ["CPUExecutionProvider"])[0]
-        on_cpu = manifest["runtime"].get("library") == "onnxruntime" and runs_on == "CPUExecutionProvider"
-        if on_cpu and (threads is None or spin is None):
-            from edgec.runtime.calibration import resolve
+        if threads is None or spin is None:
+            from edgec.runtime import calibration
 
-            threads, spin = resolve(path, threads, spin, calibrate)
+            if calibration.runs_on_cpu(manifest, providers):
+                threads, spin = calibration.resolve(path, threads, spin, calibrate)
         try:
             return cls(path, manifest, threads, kv_capacity, prefill_compress, providers, spin, **recall)
         except MemoryError:
