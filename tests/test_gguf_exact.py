@@ -212,6 +212,30 @@ def _decoded_logprobs(model, ids: list[int], prompt_tokens: int) -> np.ndarray:
     return log_softmax[np.arange(len(ids) - 1), ids[1:]]
 
 
+def _with_two_branch_body(bundle: Path, tmp_path: Path) -> Path:
+    """A copy of a split bundle whose model.onnx holds the op's two-branch body (decode and general, as built
+    before the split): what the one-branch graphs must answer like."""
+    import onnx
+
+    from edgec.kvcache import compressed_function as cf
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    two_branch = tmp_path / "two-branch"
+    shutil.copytree(bundle, two_branch)
+    model = onnx.load(str(two_branch / "model.onnx"), load_external_data=False)
+    opset = next(entry.version for entry in model.opset_import if entry.domain == "")
+    layer = manifest["cache"]["layers"][0]
+    heads = cf.Heads(HEADS, layer["num_kv_heads"], layer["head_dim"])
+    full = cf.make_function(Compression.from_json(manifest["cache"]["compression"]), opset, heads, fused_attention=True)
+    assert any(node.op_type == "If" for node in full.node)
+    (index,) = [i for i, f in enumerate(model.functions) if f.name == cf.OP_TYPE]
+    model.functions[index].CopyFrom(full)
+    onnx.save(model, str(two_branch / "model.onnx"))
+    manifest["files"]["model.onnx"]["size"] = (two_branch / "model.onnx").stat().st_size
+    (two_branch / "manifest.json").write_text(json.dumps(manifest))
+    return two_branch
+
+
 def test_compressed_cache_decodes_on_its_branch_alone(built, tmp_path):
     """With a prefill graph, each graph holds one branch of the compressed op: model.onnx the one-token decode
     branch (no If per layer), prefill.onnx the general one. The answers are those of the two-branch graph
@@ -235,19 +259,7 @@ def test_compressed_cache_decodes_on_its_branch_alone(built, tmp_path):
     assert not any(node.op_type == "TopK" for node in bodies["model.onnx"].node)  # the general branch's pairing
     assert any(node.op_type == "TopK" for node in bodies["prefill.onnx"].node)
     # the same bundle with the two-branch body in model.onnx (as built before): the answers must not move
-    two_branch = tmp_path / "two-branch"
-    shutil.copytree(bundle, two_branch)
-    model = onnx.load(str(two_branch / "model.onnx"), load_external_data=False)
-    opset = next(entry.version for entry in model.opset_import if entry.domain == "")
-    layer = manifest["cache"]["layers"][0]
-    heads = cf.Heads(HEADS, layer["num_kv_heads"], layer["head_dim"])
-    full = cf.make_function(Compression.from_json(manifest["cache"]["compression"]), opset, heads, fused_attention=True)
-    assert any(node.op_type == "If" for node in full.node)
-    (index,) = [i for i, f in enumerate(model.functions) if f.name == cf.OP_TYPE]
-    model.functions[index].CopyFrom(full)
-    onnx.save(model, str(two_branch / "model.onnx"))
-    manifest["files"]["model.onnx"]["size"] = (two_branch / "model.onnx").stat().st_size
-    (two_branch / "manifest.json").write_text(json.dumps(manifest))
+    two_branch = _with_two_branch_body(bundle, tmp_path)
     ids = np.random.default_rng(7).integers(0, 384, 60).tolist()
     one, two = Model.load(bundle), Model.load(two_branch)
     assert np.array_equal(_decoded_logprobs(one, ids, 1), _decoded_logprobs(two, ids, 1))  # every step decodes
@@ -280,18 +292,7 @@ def test_mixed_cache_decodes_on_its_branch_alone(mixed_gguf, tmp_path):
     model = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
     (body,) = [f for f in model.functions if f.name == cf.OP_TYPE]
     assert not any(node.op_type == "If" for node in body.node)
-    two_branch = tmp_path / "two-branch"
-    shutil.copytree(bundle, two_branch)
-    opset = next(entry.version for entry in model.opset_import if entry.domain == "")
-    layer = manifest["cache"]["layers"][0]
-    heads = cf.Heads(HEADS, layer["num_kv_heads"], layer["head_dim"])
-    full = cf.make_function(Compression.from_json(manifest["cache"]["compression"]), opset, heads, fused_attention=True)
-    assert any(node.op_type == "If" for node in full.node)
-    (index,) = [i for i, f in enumerate(model.functions) if f.name == cf.OP_TYPE]
-    model.functions[index].CopyFrom(full)
-    onnx.save(model, str(two_branch / "model.onnx"))
-    manifest["files"]["model.onnx"]["size"] = (two_branch / "model.onnx").stat().st_size
-    (two_branch / "manifest.json").write_text(json.dumps(manifest))
+    two_branch = _with_two_branch_body(bundle, tmp_path)
     ids = np.random.default_rng(7).integers(0, 384, 60).tolist()
     one, two = Model.load(bundle), Model.load(two_branch)
     assert np.array_equal(_decoded_logprobs(one, ids, 1), _decoded_logprobs(two, ids, 1))
