@@ -45,6 +45,7 @@ def session(compression: Compression, threads: int) -> tuple[ort.InferenceSessio
     formal = {cf.FORMAL.get(name, name): array for name, array in state.items()}
     for name in cf.state_names(compression):
         inputs.append(helper.make_tensor_value_info(name, TYPES[formal[name].dtype.name], list(formal[name].shape)))
+    inputs.append(helper.make_tensor_value_info("observe", TensorProto.BOOL, [1]))
     outputs = [helper.make_tensor_value_info("out", f, [1, "T", 9, HEADS.dim])]
     outputs += [helper.make_tensor_value_info(f"{n}_out", TYPES[formal[n].dtype.name], None) for n in formal]
     node = helper.make_node(
@@ -79,6 +80,7 @@ def step(sess, formal, rng, start, count):
         "v": rng.standard_normal((1, 3, count, HEADS.dim), np.float32),
         "position_ids": np.arange(start, start + count, dtype=np.int64)[None],
         "protect": np.zeros((1, count), bool),
+        "observe": np.ones(1, bool),
     }
     results = sess.run(None, feeds | formal)
     return dict(zip(formal, results[1:], strict=True))

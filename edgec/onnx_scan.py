@@ -24,7 +24,7 @@ BUILTIN_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "com.microsoft")
 REFUSED_OPS = ("EPContext",)
 EXTERNAL_KEYS = ("location", "offset", "length", "checksum")
 # The inputs the runtime feeds besides the cache state (edgec/runtime/backend_ort.py) and the output it reads
-STEP_INPUTS = ("input_ids", "position_ids", "logits_index", "protect")
+STEP_INPUTS = ("input_ids", "position_ids", "logits_index", "protect", "observe")
 LOGITS = "logits"
 MAX_DEPTH = 64  # graphs nested in attributes (If/Loop bodies); real models nest a few levels
 ONNX_TYPES = {"float32": 1, "uint8": 2, "int8": 3, "int64": 7, "bool": 9, "float16": 10}

@@ -312,9 +312,10 @@ def _validation_feeds(bundle: Path, manifest: dict) -> list[dict]:
     from edgec.kvcache.spec import CacheSpec
 
     spec = CacheSpec.from_json(manifest["cache"])
+    graph_file = manifest["model"].get("prefill_file", manifest["model"]["file"])
+    graph_inputs = {value.name for value in onnx.load(str(bundle / graph_file), load_external_data=False).graph.input}
     if manifest["format_version"] < 2:  # v1 named the state only in part: what the graph has
-        graph = onnx.load(str(bundle / manifest["model"]["file"]), load_external_data=False).graph
-        spec = spec.keeping({value.name for value in graph.input})
+        spec = spec.keeping(graph_inputs)
     stored = np.load(bundle / REFERENCE)
     feeds = []
     for index in range(manifest["validation"]["prompts"]):
@@ -324,5 +325,6 @@ def _validation_feeds(bundle: Path, manifest: dict) -> list[dict]:
             "position_ids": np.arange(len(ids))[None],
             "logits_index": np.array([len(ids) - 1]),
         }
-        feeds.append(feed | spec.empty_feeds(len(ids)))
+        # a graph built before the `observe` input existed does not take it
+        feeds.append(feed | {name: value for name, value in spec.empty_feeds(len(ids)).items() if name in graph_inputs})
     return feeds

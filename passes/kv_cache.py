@@ -1,7 +1,8 @@
 """Turn each global layer's ``KVAttention`` into ``CompressedKVAttention``: the slot cache becomes pruned (a
 fixed number of slots, an eviction policy) and quantized (storage dtype + per-token group scales), and the
-graph gains the state that needs (``CacheSpec.compress`` names it: k_scale/v_scale, score) and one shared
-``protect`` input (flags for the new tokens).
+graph gains the state that needs (``CacheSpec.compress`` names it: k_scale/v_scale, score), one shared
+``protect`` input (flags for the new tokens) and one shared ``observe`` input ([1] bool: False for a prompt chunk
+whose scores the next chunk replaces, so the op skips its observation — edgec/runtime/observe.py).
 
 Sliding-window layers keep plain KVAttention: their ring of slots is already exact and small. The slot count
 of a compressed layer is a symbolic dimension (``kv_slots``): the graph runs on any number of slots, so the
@@ -14,7 +15,15 @@ import onnx_ir as ir
 
 from edgec.kvcache import compressed_function, function
 from edgec.kvcache.compression import Compression
-from edgec.kvcache.spec import PROTECT_INPUT, SLOT_DIM, CacheSpec, LayerCache, StateTensor, recall_query_name
+from edgec.kvcache.spec import (
+    OBSERVE_INPUT,
+    PROTECT_INPUT,
+    SLOT_DIM,
+    CacheSpec,
+    LayerCache,
+    StateTensor,
+    recall_query_name,
+)
 from edgec.passes._contract import Pass
 from edgec.passes._graph import take_over
 
@@ -44,10 +53,13 @@ def kv_cache(
         name=PROTECT_INPUT, shape=ir.Shape(list(position_ids.shape)), type=ir.TensorType(ir.DataType.BOOL)
     )
     graph.inputs.insert(list(graph.inputs).index(position_ids) + 1, protect)
+    # whether a prompt chunk's attention updates the policy's scores (False: the next chunk replaces them)
+    observe = ir.Value(name=OBSERVE_INPUT, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.BOOL))
+    graph.inputs.insert(list(graph.inputs).index(protect) + 1, observe)
     heads = _heads(list(nodes.values()))
     for layer in new_spec.layers:
         if layer.layer in nodes:
-            _compress(graph, nodes[layer.layer], layer, protect, compression)
+            _compress(graph, nodes[layer.layer], layer, protect, observe, compression)
     opset = model.opset_imports.get("", 23)
     function_proto = compressed_function.make_function(
         compression, opset, heads, data_dependent_shapes, fused_attention and data_dependent_shapes
@@ -71,7 +83,9 @@ def _attention_node(inputs: dict[str, ir.Value], layer: LayerCache) -> ir.Node:
     return readers[0]
 
 
-def _compress(graph: ir.Graph, node: ir.Node, layer: LayerCache, protect: ir.Value, compression: Compression) -> None:
+def _compress(
+    graph: ir.Graph, node: ir.Node, layer: LayerCache, protect: ir.Value, observe: ir.Value, compression: Compression
+) -> None:
     q, k, v, position_ids, k_cache, v_cache, pos_cache = node.inputs
     batch, kv_heads, _, head_dim = k_cache.shape
     storage = ir.DataType(compressed_function.STORAGE_TYPES[compression.dtype])
@@ -109,7 +123,7 @@ def _compress(graph: ir.Graph, node: ir.Node, layer: LayerCache, protect: ir.Val
     replacement = ir.Node(
         compressed_function.DOMAIN,
         compressed_function.OP_TYPE,
-        inputs=[q, k, v, position_ids, protect, *(state[name] for name in layer.state)],
+        inputs=[q, k, v, position_ids, protect, *(state[name] for name in layer.state), observe],
         attributes=[node.attributes["scale"], ir.AttrInt64("window", layer.window)],
         num_outputs=len(compressed_function.outputs(compression)),
     )

@@ -58,8 +58,11 @@ def state_names(compression: Compression) -> tuple[str, ...]:
     return tuple(FORMAL.get(name, name) for name in compressed_state(compression))
 
 
-def inputs(compression: Compression) -> tuple[str, ...]:
-    return ("q", "k", "v", "position_ids", "protect", *state_names(compression))
+def inputs(compression: Compression, observe: bool = True) -> tuple[str, ...]:
+    """The op's inputs. ``observe`` [1] bool comes last: False for a prompt chunk whose scores the next chunk
+    replaces (the policy's update is skipped: ``reference.compressed_kv_attention``); one-token calls ignore it.
+    ``observe=False`` leaves it out (the one-token plugin's own node)."""
+    return ("q", "k", "v", "position_ids", "protect", *state_names(compression), *(("observe",) if observe else ()))
 
 
 def outputs(compression: Compression) -> tuple[str, ...]:
@@ -416,7 +419,11 @@ def _general(
     ``fused`` (the head layout; ONNX Runtime targets): where the policy judges a chunk by its last queries only
     (``prompt_needs`` without ``total``), the output comes from ``com.microsoft::GroupQueryAttention`` whenever
     the call simply extends the slots (``_extends``), and the scores from the last ``observe`` query rows: the
-    call's full score matrix [G·T, slots + T] is never built. Otherwise every query's probabilities are."""
+    call's full score matrix [G·T, slots + T] is never built. Otherwise every query's probabilities are.
+
+    The ``observe`` input False (a prompt chunk whose scores the next chunk replaces): the policy's update is
+    skipped — on the fused path the last rows' attention is not computed at all (an ``If``), on the other a
+    ``Where`` picks the same result (the probabilities are there for the output anyway)."""
     policy = policies.get(compression.policy)
     capacity = b.shape("pos", 2)
     new = b.shape("k", 2)  # T
@@ -436,37 +443,65 @@ def _general(
     group_size = b.op("Div", heads, kv_heads)
     attend = _Attend(old_k, old_v, attended_pos, rows_shape, group_size, scale_attr, window_attr)
     needs = prompt_needs(policy) if fused is not None and not every_slot else policy.needs
+    # `observe` false (a prompt chunk whose scores the next one replaces; T = 1 always observes): the slots keep
+    # their scores and the new tokens start at zero
+    observing = b.op("Or", b.op("Squeeze", "observe", b.i64([0])), b.op("Equal", b.op("Squeeze", new), b.i64(1)))
+
+    def updated_in(body: Body, judged: str | None, judged_rows: str) -> str:
+        """2. what this call's attention says about each candidate, then the policy's scores."""
+        stats = {}
+        if needs:
+            shape = body.op("Concat", body.i64([0]), kv_heads, group_size, judged_rows, body.i64([-1]), axis=0)
+            per_query = body.op("Reshape", judged, shape)
+        if "total" in needs:
+            stats["total"] = body.op("ReduceSum", per_query, body.i64([2, 3]), keepdims=0)
+        if "observed" in needs:
+            observed = body.op("Slice", per_query, body.i64([-compression.observe]), body.i64([HUGE]), body.i64([3]))
+            stats["observed"] = body.op("ReduceSum", observed, body.i64([2, 3]), keepdims=0)
+        if "last" in needs:
+            last = body.op("Slice", per_query, body.i64([-1]), body.i64([HUGE]), body.i64([3]))
+            stats["last"] = body.op("ReduceMean", last, body.i64([2, 3]), keepdims=0)
+        # back to one entry per candidate: the slots past `active` received nothing
+        gap = body.op("Concat", body.i64([0, 0, 0, 0, 0]), body.op("Sub", capacity, active), axis=0)
+        for name, stat in stats.items():
+            old_part = body.op("Pad", body.op("Slice", stat, body.i64([0]), active, body.i64([-1])), gap, body.f32(0.0))
+            tail = body.op("Slice", stat, active, body.i64([HUGE]), body.i64([-1]))
+            stats[name] = body.op("Concat", old_part, tail, axis=-1)
+        return policy.update_onnx(body, "score", stats, key_pos, new)
+
+    def unobserved(body: Body) -> str:
+        return body.op("Pad", "score", body.op("Concat", body.i64([0, 0, 0, 0, 0]), new, axis=0), body.f32(0.0))
+
     if fused is None or every_slot or "total" in needs:  # every query's probabilities: the output comes with them
         probs = attend.probs(b, "q", "position_ids", new)
         out = attend.output(b, probs, active)
-        judged, judged_rows = probs, new
+        # the probabilities are computed for the output anyway: the unobserved case is a choice, not a saving
+        updated = b.op("Where", observing, updated_in(b, probs, new), unobserved(b))
     else:
         out = _fused_output(b, attend, filled, active, new, window_attr, fused, compression.dtype == "fp32")
-        # the policy reads the last `observe` queries only: their rows alone
-        judged_q = b.op("Slice", "q", b.i64([-compression.observe]), b.i64([HUGE]), b.i64([2]))
-        judged_pos = b.op("Slice", "position_ids", b.i64([-compression.observe]), b.i64([HUGE]), b.i64([1]))
-        judged_rows = b.shape(judged_pos, 1)
-        judged = attend.probs(b, judged_q, judged_pos, judged_rows) if needs else None
-
-    # 2. what this call's attention says about each candidate, then the policy's scores
-    stats = {}
-    if needs:
-        shape = b.op("Concat", b.i64([0]), kv_heads, group_size, judged_rows, b.i64([-1]), axis=0)
-        per_query = b.op("Reshape", judged, shape)
-    if "total" in needs:
-        stats["total"] = b.op("ReduceSum", per_query, b.i64([2, 3]), keepdims=0)
-    if "observed" in needs:
-        observed = b.op("Slice", per_query, b.i64([-compression.observe]), b.i64([HUGE]), b.i64([3]))
-        stats["observed"] = b.op("ReduceSum", observed, b.i64([2, 3]), keepdims=0)
-    if "last" in needs:
-        last = b.op("Slice", per_query, b.i64([-1]), b.i64([HUGE]), b.i64([3]))
-        stats["last"] = b.op("ReduceMean", last, b.i64([2, 3]), keepdims=0)
-    # back to one entry per candidate: the slots past `active` received nothing
-    gap = b.op("Concat", b.i64([0, 0, 0, 0, 0]), b.op("Sub", capacity, active), axis=0)
-    for name, stat in stats.items():
-        old_part = b.op("Pad", b.op("Slice", stat, b.i64([0]), active, b.i64([-1])), gap, b.f32(0.0))
-        stats[name] = b.op("Concat", old_part, b.op("Slice", stat, active, b.i64([HUGE]), b.i64([-1])), axis=-1)
-    updated = policy.update_onnx(b, "score", stats, key_pos, new)
+        # the policy reads the last `observe` queries only: their rows alone, and only when the call observes
+        branches = {}
+        for kind in ("observed", "unobserved"):
+            body = Body(prefix=f"{b.prefix}{kind}_")
+            if kind == "observed":
+                judged_q = body.op("Slice", "q", body.i64([-compression.observe]), body.i64([HUGE]), body.i64([2]))
+                judged_pos = body.op(
+                    "Slice", "position_ids", body.i64([-compression.observe]), body.i64([HUGE]), body.i64([1])
+                )
+                judged_rows = body.shape(judged_pos, 1)
+                judged = attend.probs(body, judged_q, judged_pos, judged_rows) if needs else None
+                result = updated_in(body, judged, judged_rows)
+            else:
+                result = unobserved(body)
+            value = body.op("Identity", result, name=f"{kind}_score")
+            output = helper.make_tensor_value_info(value, TensorProto.FLOAT, None)
+            branches[kind] = helper.make_graph(body.nodes, f"{kind}_scores", [], [output])
+        updated = b.fresh("updated_score")
+        b.nodes.append(
+            helper.make_node(
+                "If", [observing], [updated], then_branch=branches["observed"], else_branch=branches["unobserved"]
+            )
+        )
     inf = b.f32(float("inf"))
     old_protected = b.op("And", b.op("IsInf", "score", detect_negative=0), filled)
     protected = b.op("Concat", old_protected, b.op("Expand", b.op("Unsqueeze", "protect", b.i64([1])), bht), axis=2)
@@ -494,21 +529,29 @@ def _general(
     current = {name: name for name in state_names(compression)} | {
         "score": b.op("Slice", score_all, b.i64([0]), capacity, b.i64([-1]))
     }
-    # v and v_scale are read by the attention output only, which nothing below depends on (nor k, for a policy
-    # that reads no attention or only some query rows): make their slot indices wait for it, or the in-place
-    # scatter may overwrite slots before they are read (Max with a non-positive number that the output
-    # determines leaves the indices as they are)
-    not_before_out = b.op("Neg", b.op("Cast", b.op("IsNaN", b.op("ReduceMax", out, keepdims=0)), to=TensorProto.INT64))
-    weakest_after_out = b.op("Max", weakest, not_before_out)
+    # every reader of a state input must run before the in-place scatters that overwrite it. The attention output
+    # reads v, v_scale (and k, for a policy that reads no attention or only some query rows) and, on the fused
+    # path, pos (whether the call extends the slots); nothing the writes need depends on it, and the pruning
+    # reads the evicted slots' old positions: make the slot indices wait for both
+    evicted = _evicted(b, weakest, replace) if policy.prunes else None
+    slots = _after(b, weakest, out, *([evicted] if evicted is not None else []))
     written = {}
     for name in state_names(compression):
         trailing = name not in ("score", "pos")
-        # k too: a policy that reads no attention (streaming), or only some query rows, does not order it
-        slots = weakest_after_out if trailing else weakest
         written[name] = _write(b, current[name], arriving[name], slots, strongest, replace, trailing)
     if policy.prunes:
-        written["pos"] = _prune(b, policy, written, weakest, replace, newest, compression)
+        written["pos"] = _prune(b, policy, written, evicted, newest, compression)
     return {"out": out} | {f"{name}_out": value for name, value in written.items()}
+
+
+def _after(b: Body, indices: str, *values: str) -> str:
+    """``indices`` (non-negative int64), unchanged, but computed after every one of ``values``: ONNX Runtime runs
+    a node once its inputs exist, so this orders the in-place scatters after the reads (Max with 0, or -1 for a
+    NaN, leaves the indices as they are)."""
+    for value in values:
+        as_float = b.op("Cast", b.op("ReduceMax", value, keepdims=0), to=TensorProto.FLOAT)
+        indices = b.op("Max", indices, b.op("Neg", b.op("Cast", b.op("IsNaN", as_float), to=TensorProto.INT64)))
+    return indices
 
 
 @dataclass(frozen=True)
@@ -693,10 +736,11 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
     keep_old = b.op("Where", b.op("Or", sink, recent), inf, score_old)
     keep_old = b.op("Where", filled, keep_old, b.f32(float("-inf")))
     weakest = b.op("ArgMin", keep_old, axis=-1, keepdims=1)  # [B,Hkv,1]
-    not_before_out = b.op(
-        "Neg", b.op("Cast", b.op("IsNaN", b.op("ReduceMax", context, keepdims=0)), to=TensorProto.INT64)
-    )
-    weakest_after_out = b.op("Max", weakest, not_before_out)  # see _general: v is read by the output only
+    # see _general: the pruning reads the old positions, v is read by the output only
+    replace = b.op("Expand", b.boolean(True), b.op("Shape", weakest)) if policy.prunes else None
+    evicted = _evicted(b, weakest, replace) if policy.prunes else None
+    weakest = _after(b, weakest, evicted) if policy.prunes else weakest
+    weakest_after_out = _after(b, weakest, context)
     k_stored, k_scale_new = _quantize(b, "k", compression)
     v_stored, v_scale_new = _quantize(b, "v", compression)
     arriving = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale_new, "v_scale": v_scale_new}
@@ -716,8 +760,7 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
             slots = b.op("Expand", slot_rows[slots], b.i64([1, 1, 1, widths[name]]))
         written[name] = b.op("ScatterElements", current[name], slots, arriving[name], axis=2)
     if policy.prunes:
-        replace = b.op("Expand", b.boolean(True), b.op("Shape", weakest))
-        written["pos"] = _prune(b, policy, written, weakest, replace, position, compression)
+        written["pos"] = _prune(b, policy, written, evicted, position, compression)
     return {"out": out} | {f"{name}_out": value for name, value in written.items()}
 
 
@@ -785,10 +828,10 @@ def _write(b: Body, old: str, arriving: str, weakest: str, strongest: str, repla
     return b.op("ScatterElements", old, slots, updates, axis=2)
 
 
-def _prune(b: Body, policy, written: dict[str, str], weakest: str, replace: str, newest: str, compression) -> str:
-    """Empty (pos = -1) every evictable slot the policy drops, on heads that evicted in this call."""
+def _evicted(b: Body, weakest: str, replace: str) -> str:
+    """[B,Hkv,1] bool: the heads on which this call replaces a filled slot (read before the writes)."""
     evicted_filled = b.op("GreaterOrEqual", b.op("GatherElements", "pos", weakest, axis=2), b.i64(0))
-    evicted = b.op(
+    return b.op(
         "Cast",
         b.op(
             "ReduceMax",
@@ -798,6 +841,10 @@ def _prune(b: Body, policy, written: dict[str, str], weakest: str, replace: str,
         ),
         to=TensorProto.BOOL,
     )
+
+
+def _prune(b: Body, policy, written: dict[str, str], evicted: str, newest: str, compression) -> str:
+    """Empty (pos = -1) every evictable slot the policy drops, on heads that evicted in this call."""
     pos, score = written["pos"], written["score"]
     protected = b.op("IsInf", score, detect_negative=0)
     forced = _forced(b, pos, newest, protected, compression)
@@ -810,6 +857,7 @@ def make_schema(compression: Compression) -> onnx.defs.OpSchema:
     """An OpSchema for the op (tracing tools and checkers know its inputs and outputs)."""
     storage = onnx.helper.tensor_dtype_to_string(STORAGE_TYPES[compression.dtype])
     kinds = {"q": "T", "k": "T", "v": "T", "position_ids": "I", "protect": "B", "score": "F", "pos": "I"}
+    kinds["observe"] = "B"
     kinds |= {"k_cache": "S", "v_cache": "S", "k_scale": "F", "v_scale": "F"}
     kinds |= {"k_hi": "W", "v_hi": "W", "k_hi_scale": "F", "v_hi_scale": "F", "score_hi": "F", "pos_hi": "I"}
     wide = STORAGE_TYPES.get(compression.mixed)  # a mixed cache's wide pool
@@ -828,7 +876,7 @@ def make_schema(compression: Compression) -> onnx.defs.OpSchema:
             ("S", [storage], "cache storage"),
             ("F", ["tensor(float)"], "scales and scores"),
             ("I", ["tensor(int64)"], "positions"),
-            ("B", ["tensor(bool)"], "protect flags"),
+            ("B", ["tensor(bool)"], "protect flags, observe"),
             *wide,
         ],
         attributes=[

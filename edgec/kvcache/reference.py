@@ -115,14 +115,19 @@ def compressed_kv_attention(
     compression,
     scale: float,
     window: int = 0,
+    observe: bool = True,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """q [B,H,T,D], k/v [B,Hkv,T,D], position_ids [B,T], protect [B,T] bool → (out [B,T,H,D], new state).
     With a rotation (rotation.py) the op is the same on rotated q, k, v, its output rotated back; with mixed
-    precision (``compression.mixed``) the slots are two pools (``_mixed``)."""
+    precision (``compression.mixed``) the slots are two pools (``_mixed``).
+
+    ``observe`` False (the op's ``observe`` input; read by calls of T > 1 only): the call's attention does not
+    update the policy's scores — the slots keep theirs, the new tokens score 0 (+inf where protected). The
+    runtime passes it for a prompt chunk whose scores the next chunk replaces (``prompt_overwrites``)."""
     if compression.rotation != "none":
-        return _rotated(q, k, v, position_ids, protect, state, compression, scale, window)
+        return _rotated(q, k, v, position_ids, protect, state, compression, scale, window, observe)
     if compression.mixed != "none":
-        return _mixed(q, k, v, position_ids, protect, state, compression, scale, window)
+        return _mixed(q, k, v, position_ids, protect, state, compression, scale, window, observe)
     from edgec.kvcache import policies
     from edgec.kvcache.quantize import dequantize, quantize
 
@@ -137,7 +142,20 @@ def compressed_kv_attention(
 
     # 1-3. attention over slots + new tokens, every candidate's score and keep-score
     out, key_pos, score_all, protected, keep = _attend_and_score(
-        q, k, v, position_ids, protect, old_k, old_v, state["pos"], state["score"], policy, compression, scale, window
+        q,
+        k,
+        v,
+        position_ids,
+        protect,
+        old_k,
+        old_v,
+        state["pos"],
+        state["score"],
+        policy,
+        compression,
+        scale,
+        window,
+        observe,
     )
     newest = position_ids.max(axis=1)[:, None, None]
 
@@ -158,7 +176,7 @@ def compressed_kv_attention(
 
 
 def _attend_and_score(
-    q, k, v, position_ids, protect, old_k, old_v, old_pos, old_score, policy, compression, scale, window
+    q, k, v, position_ids, protect, old_k, old_v, old_pos, old_score, policy, compression, scale, window, observe=True
 ):
     """Steps 1-3 over the slots (dequantized old_k/old_v, their positions and scores) and the new tokens →
     (out [B,T,H,D], key_pos, score_all, protected, keep), the last four [B,Hkv,slots+T]."""
@@ -181,13 +199,16 @@ def _attend_and_score(
     out = out.transpose(0, 2, 1, 3).astype(q.dtype)
 
     # 2. scores
-    observe = min(compression.observe, new)
+    rows = min(compression.observe, new)
     stats = {
         "total": probs.sum(axis=(2, 3)).astype(np.float32),
-        "observed": probs[:, :, :, new - observe :].sum(axis=(2, 3)).astype(np.float32),
+        "observed": probs[:, :, :, new - rows :].sum(axis=(2, 3)).astype(np.float32),
         "last": probs[:, :, :, -1].mean(axis=2).astype(np.float32),
     }
-    score_all = policy.update(old_score, stats, key_pos, new)
+    if observe or new == 1:
+        score_all = policy.update(old_score, stats, key_pos, new)
+    else:  # not observed: the slots keep their scores, the new tokens start at zero
+        score_all = np.concatenate([old_score, np.zeros(new_pos.shape, np.float32)], axis=-1)
     protected = np.concatenate(
         [np.isposinf(old_score) & (old_pos >= 0), np.broadcast_to(protect[:, None, :], new_pos.shape)], axis=2
     )
@@ -260,7 +281,7 @@ def _prune(policy, result, evicted, newest, compression):
 WIDE_KEY_FORCED = np.float32(np.inf)
 
 
-def _mixed(q, k, v, position_ids, protect, state, compression, scale, window):
+def _mixed(q, k, v, position_ids, protect, state, compression, scale, window, observe=True):
     from dataclasses import replace
 
     from edgec.kvcache import policies
@@ -291,6 +312,7 @@ def _mixed(q, k, v, position_ids, protect, state, compression, scale, window):
         replace(compression, mixed="none"),
         scale,
         window,
+        observe,
     )
     newest = position_ids.max(axis=1)[:, None, None]
 
@@ -351,7 +373,7 @@ def _mixed(q, k, v, position_ids, protect, state, compression, scale, window):
     return out, {name: result[name] for name in state}
 
 
-def _rotated(q, k, v, position_ids, protect, state, compression, scale, window):
+def _rotated(q, k, v, position_ids, protect, state, compression, scale, window, observe=True):
     from dataclasses import replace
 
     from edgec.kvcache import rotation
@@ -371,6 +393,7 @@ def _rotated(q, k, v, position_ids, protect, state, compression, scale, window):
         replace(compression, rotation="none"),
         scale,
         window,
+        observe,
     )
     return rotation.unrotate(out, q_signs, matrix).astype(q.dtype), result
 

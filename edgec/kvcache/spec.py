@@ -4,7 +4,9 @@ change the state (kv_cache, kv_attention_gqa, float16) take a spec and return th
 it, and every runtime backend, ``edgec verify`` and the tests allocate and feed state through it.
 
 State names: layer ``i``'s tensor ``name`` is the graph input ``cache.{i}.{name}`` and the output
-``new_cache.{i}.{name}``; compressed layers also read the one shared ``protect`` input (flags for the new tokens).
+``new_cache.{i}.{name}``; compressed layers also read the one shared ``protect`` input (flags for the new tokens)
+and the one shared ``observe`` input (whether a prompt chunk updates the policy's scores; absent in graphs built
+before it existed).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ SCALES = ("k_scale", "v_scale")
 HI_SCALES = ("k_hi_scale", "v_hi_scale")
 POSITIONS = ("pos", "pos_hi")  # -1 = an empty slot
 PROTECT_INPUT = "protect"
+# [1] bool: False for a prompt chunk whose scores the next chunk replaces (the op skips its observation); graphs
+# built before it existed lack it, and always observe
+OBSERVE_INPUT = "observe"
 SLOT_DIM = "kv_slots"  # a compressed layer's slot count: symbolic, the graph runs on any number of slots
 STORAGE_NUMPY = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8, "fp8": np.uint8, "int4": np.uint8}
 FLOAT_NUMPY = {"float32": np.float32, "float16": np.float16}
@@ -121,7 +126,7 @@ class CacheSpec:
         return any(layer.compressed for layer in self.layers)
 
     def state_inputs(self) -> list[str]:
-        return [tensor.input for tensor in self.tensors()] + ([PROTECT_INPUT] if self.protected else [])
+        return [tensor.input for tensor in self.tensors()] + ([PROTECT_INPUT, OBSERVE_INPUT] if self.protected else [])
 
     def mismatch(self, graph_inputs: set[str], graph_outputs: set[str]) -> str | None:
         """What differs between this spec and a graph's inputs/outputs (None when they agree)."""
@@ -130,7 +135,8 @@ class CacheSpec:
         if self.protected and PROTECT_INPUT not in graph_inputs:
             missing.append(PROTECT_INPUT)
         expected = set(self.state_inputs())
-        state_like = {name for name in graph_inputs if name.startswith("cache.") or name == PROTECT_INPUT}
+        step_flags = (PROTECT_INPUT, OBSERVE_INPUT)
+        state_like = {name for name in graph_inputs if name.startswith("cache.") or name in step_flags}
         extra = sorted(state_like - expected)
         parts = [
             f"missing {', '.join(missing[:4])}" if missing else "",
@@ -175,10 +181,12 @@ class CacheSpec:
         return entries
 
     def empty_feeds(self, tokens: int) -> dict[str, np.ndarray]:
-        """Graph inputs of an empty cache for a step of ``tokens`` new tokens: the state plus ``protect``."""
+        """Graph inputs of an empty cache for a step of ``tokens`` new tokens: the state plus ``protect`` and
+        ``observe`` (a graph built before ``observe`` existed does not take it: drop what it lacks)."""
         feeds = {tensor.input: array for tensor, array in self.empty_state()}
         if self.protected:
             feeds[PROTECT_INPUT] = np.zeros((1, tokens), bool)
+            feeds[OBSERVE_INPUT] = np.ones(1, bool)
         return feeds
 
     # --- the changes passes make ---------------------------------------------------------------------------------

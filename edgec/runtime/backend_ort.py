@@ -36,7 +36,8 @@ import onnxruntime as ort
 
 from edgec.errors import BundleError
 from edgec.kvcache.reference import select_slots
-from edgec.kvcache.spec import POSITIONS, PROTECT_INPUT, CacheSpec, StateTensor
+from edgec.kvcache.spec import OBSERVE_INPUT, POSITIONS, PROTECT_INPUT, CacheSpec, StateTensor
+from edgec.runtime.observe import PromptObservation
 
 StateEntry = tuple[StateTensor, ort.OrtValue]  # a state tensor and the buffer holding it (host or device)
 GPU_PROVIDERS = {"CUDAExecutionProvider": "cuda"}  # providers whose cache state lives in device memory
@@ -138,6 +139,7 @@ class OrtGraph:
         if problem := spec.mismatch(inputs, outputs):
             raise BundleError(f"{model_path.name} does not carry the cache state its manifest names ({problem})")
         self.spec = spec
+        self.observes = OBSERVE_INPUT in inputs  # graphs built before the input existed always observe
         logits_type = next(o.type for o in self.session.get_outputs() if o.name == "logits")
         self.logits_dtype = np.float16 if logits_type == "tensor(float16)" else np.float32
 
@@ -194,9 +196,11 @@ class OrtCacheState:
         self.graph = graph
         self.session = graph.session
         self._chunk_session = prefill.session if prefill is not None else graph.session  # multi-token steps
+        self._chunk_observes = (prefill or graph).observes
         self.spec = spec or graph.spec  # a compressed cache's slot count may differ per state (open_state)
         self.compression = self.spec.compression
         self._protected = self.spec.protected
+        self._observation = PromptObservation()
         # a second graph over the same cache (static-shape bundles) binds the same buffers
         self._state = shared_state if shared_state is not None else _allocate(self.spec, graph.device)
         self._active = self._state  # the state multi-token steps run on (a larger one while reading a prompt)
@@ -205,13 +209,14 @@ class OrtCacheState:
         self._position = np.zeros((1, 1), np.int64)
         self._last = np.zeros(1, np.int64)
         self._protect_one = np.zeros((1, 1), bool)
+        self._observe_one = np.ones(1, bool)  # one token always observes
         self._logits_dtype = graph.logits_dtype
         self._logits = np.zeros((1, 1, vocab_size), self._logits_dtype)
         self._decode = self._binding(
-            self._state, self._token, self._position, self._last, self._protect_one, self._logits
+            self._state, self._token, self._position, self._last, self._protect_one, self._logits, self._observe_one
         )
 
-    def _binding(self, state, ids, positions, index, protect, logits, session=None) -> ort.IOBinding:
+    def _binding(self, state, ids, positions, index, protect, logits, observe, session=None) -> ort.IOBinding:
         session = session or self.session
         binding = session.io_binding()
         for tensor, value in state:
@@ -220,6 +225,8 @@ class OrtCacheState:
         feeds = {"input_ids": ids, "position_ids": positions, "logits_index": index}
         if self._protected:
             feeds[PROTECT_INPUT] = protect
+            if self._chunk_observes if session is self._chunk_session else self.graph.observes:
+                feeds[OBSERVE_INPUT] = observe
         # the binding holds only the native values: the numpy buffers they wrap must outlive it, so it keeps them
         binding.keep_alive = [*feeds.values(), logits]
         for name, array in feeds.items():
@@ -237,6 +244,7 @@ class OrtCacheState:
         """Empty every slot. Only positions need clearing: an empty slot (pos -1) is masked, never scored or
         kept, and whatever finite values it holds are overwritten when it is filled."""
         self._active = self._state
+        self._observation.end()
         for tensor, value in self._state:
             if tensor.name in POSITIONS:  # a mixed cache's wide pool has its own
                 value.update_inplace(np.full(value.shape(), -1, np.int64))
@@ -252,6 +260,7 @@ class OrtCacheState:
         """Before a prompt of ``length`` tokens: with ``prefill_compress = end`` and a prompt longer than the
         compressed capacity, read it into a temporary state large enough to hold it whole."""
         compression = self.compression
+        self._observation.begin(compression, length)
         if compression and compression.prefill_compress == "end" and length > compression.capacity:
             # only the compressed layers get larger buffers; the others (sliding-window rings) keep their own
             larger = {entry[0]: entry for entry in _allocate(self.spec, self.graph.device, length)}
@@ -261,6 +270,7 @@ class OrtCacheState:
     def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
         """After the prompt: keep the best ``capacity`` slots of the temporary state in the real one
         (``last_chunk_start``: the first position of the last step, whose scores the op already pooled)."""
+        self._observation.end()
         if self._active is self._state:
             return
         compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
@@ -300,8 +310,10 @@ class OrtCacheState:
         ids = np.ascontiguousarray(ids, np.int64).reshape(1, count)
         positions = np.ascontiguousarray(positions, np.int64).reshape(1, count)
         index = np.ascontiguousarray(index, np.int64)
+        observe = np.array([self._observation.observes(int(positions.max()))])
         session = self._chunk_session if count > 1 else self.session
-        session.run_with_iobinding(self._binding(self._active, ids, positions, index, flags, logits, session))
+        binding = self._binding(self._active, ids, positions, index, flags, logits, observe, session)
+        session.run_with_iobinding(binding)
         return logits[0]
 
 

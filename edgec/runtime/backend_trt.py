@@ -27,7 +27,8 @@ import numpy as np
 
 from edgec.errors import BundleError
 from edgec.kvcache.reference import select_slots
-from edgec.kvcache.spec import PROTECT_INPUT, CacheSpec, StateTensor
+from edgec.kvcache.spec import OBSERVE_INPUT, PROTECT_INPUT, CacheSpec, StateTensor
+from edgec.runtime.observe import PromptObservation
 from edgec.runtime.user_cache import user_cache_dir
 
 EXTRA = "pip install 'edgec[tensorrt-rtx]'"
@@ -138,6 +139,7 @@ class TrtBackend:
         names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
         if problem := spec.mismatch(names, names):
             raise BundleError(f"{runtime['engine']} does not carry the cache state its manifest names ({problem})")
+        self.observes = OBSERVE_INPUT in names  # engines built before the input existed always observe
         self.float_dtype = np.dtype(self.engine.get_tensor_dtype("logits"))
         self.dtypes = {name: np.dtype(self.engine.get_tensor_dtype(name)) for name in names}
         # kernels compiled on the first run are kept between processes
@@ -203,7 +205,8 @@ class TrtCacheState:
         self.buffers = self._allocate(self.spec.empty_state())
         self.active = self.buffers  # a larger state while an `end` prompt is read into a compressed cache
         tokens, vocab = backend.max_tokens, backend.vocab_size
-        self.io = {name: self._malloc(8 * tokens) for name in (*IO_INPUTS, PROTECT_INPUT)}
+        self.io = {name: self._malloc(8 * tokens) for name in (*IO_INPUTS, PROTECT_INPUT, OBSERVE_INPUT)}
+        self._observation = PromptObservation()
         self.io["logits"] = self._malloc(backend.float_dtype.itemsize * tokens * vocab)
         self.reset()
 
@@ -232,6 +235,7 @@ class TrtCacheState:
 
     def reset(self) -> None:
         self._drop_larger()
+        self._observation.end()
         for _, pointers, empty in self.buffers:
             self._upload(pointers[0], empty)
 
@@ -244,6 +248,7 @@ class TrtCacheState:
     # --- reading a long prompt into a compressed cache (as the ONNX Runtime backend, on device buffers) -----
     def begin_prompt(self, length: int) -> None:
         compression = self.compression
+        self._observation.begin(compression, length)
         if compression and compression.prefill_compress == "end" and length > compression.capacity:
             larger = self._allocate(self.spec.empty_state(length))
             compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
@@ -256,6 +261,7 @@ class TrtCacheState:
                     self.active.append(entry)
 
     def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
+        self._observation.end()
         if self.active is self.buffers:
             return
         by_layer: dict[int, dict[str, np.ndarray]] = {}
@@ -305,6 +311,8 @@ class TrtCacheState:
         if self.spec.protected:
             flags = np.zeros(count, bool) if protect is None else np.asarray(protect, bool)
             feeds[PROTECT_INPUT] = flags.reshape(1, count)
+            if self.backend.observes:
+                feeds[OBSERVE_INPUT] = np.array([self._observation.observes(start + count - 1)])
         for name, array in feeds.items():
             self._upload(self.io[name], array.astype(self.backend.dtypes[name], copy=False))
             self._bind(name, self.io[name], array.shape)

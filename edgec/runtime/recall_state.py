@@ -95,10 +95,10 @@ class RecallCacheState(OrtCacheState):
                 views.setdefault(tensor.layer, {})[tensor.name] = array
         return views
 
-    def _binding(self, state, ids, positions, index, protect, logits, session=None):
+    def _binding(self, state, ids, positions, index, protect, logits, observe, session=None):
         import onnxruntime as ort
 
-        binding = super()._binding(state, ids, positions, index, protect, logits, session)
+        binding = super()._binding(state, ids, positions, index, protect, logits, observe, session)
         for layer, query in self._queries.items():
             binding.bind_ortvalue_output(recall_query_name(layer), ort.OrtValue.ortvalue_from_numpy(query))
         binding.keep_alive += list(self._queries.values())

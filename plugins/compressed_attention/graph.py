@@ -18,7 +18,7 @@ its input, which TensorRT does not allow.
 from __future__ import annotations
 
 import onnx
-from onnx import AttributeProto, TensorProto, helper
+from onnx import AttributeProto, helper
 
 from edgec.kvcache import compressed_function as cf
 from edgec.kvcache import policies
@@ -81,7 +81,7 @@ def make_sub_function(compression: Compression, default_opset: int, heads: cf.He
     return helper.make_function(
         cf.DOMAIN,
         SUB_OP,
-        list(cf.inputs(compression)),
+        list(cf.inputs(compression, observe=False)),  # one token always observes
         list(SUB_OUTPUTS),
         b.nodes,
         opset_imports=[helper.make_opsetid("", default_opset)],
@@ -131,7 +131,7 @@ def make_plugin_function(compression: Compression, default_opset: int, heads: cf
 def _decode(b: Body, compression: Compression, heads: cf.Heads) -> dict[str, str]:
     """One token: the sub-op, then the slot choice and the writes of ``compressed_function._decode``."""
     policy = policies.get(compression.policy)
-    node = helper.make_node(SUB_OP, list(cf.inputs(compression)), [b.fresh("out"), b.fresh("score_all")])
+    node = helper.make_node(SUB_OP, list(cf.inputs(compression, observe=False)), [b.fresh("out"), b.fresh("score_all")])
     node.domain = cf.DOMAIN
     node.attribute.extend(_reference(name, kind) for name, kind in (("scale", "f"), ("window", "i")))
     node.attribute.extend(helper.make_attribute(name, value) for name, value in settings(compression).items())
@@ -149,9 +149,12 @@ def _decode(b: Body, compression: Compression, heads: cf.Heads) -> dict[str, str
     keep_old = b.op("Where", b.op("Or", sink, recent), inf, score_old)
     keep_old = b.op("Where", filled, keep_old, b.f32(float("-inf")))
     weakest = b.op("ArgMin", keep_old, axis=-1, keepdims=1)  # [B,Hkv,1]
-    # v is read by the sub-op only: its slot index waits for the output (see compressed_function._general)
-    not_before_out = b.op("Neg", b.op("Cast", b.op("IsNaN", b.op("ReduceMax", out, keepdims=0)), to=TensorProto.INT64))
-    weakest_after_out = b.op("Max", weakest, not_before_out)
+    # v is read by the sub-op only, the pruning reads the old positions: the slot indices wait for them (see
+    # compressed_function._general)
+    replace = b.op("Expand", b.boolean(True), b.op("Shape", weakest)) if policy.prunes else None
+    evicted = cf._evicted(b, weakest, replace) if policy.prunes else None
+    weakest = cf._after(b, weakest, evicted) if policy.prunes else weakest
+    weakest_after_out = cf._after(b, weakest, out)
     k_stored, k_scale_new = cf._quantize(b, "k", compression)
     v_stored, v_scale_new = cf._quantize(b, "v", compression)
     arriving = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale_new, "v_scale": v_scale_new}
@@ -167,8 +170,7 @@ def _decode(b: Body, compression: Compression, heads: cf.Heads) -> dict[str, str
             slots = b.op("Expand", b.op("Unsqueeze", slots, b.i64([-1])), b.i64([1, 1, 1, widths[name]]))
         written[name] = b.op("ScatterElements", current[name], slots, arriving[name], axis=2)
     if policy.prunes:
-        replace = b.op("Expand", b.boolean(True), b.op("Shape", weakest))
-        written["pos"] = cf._prune(b, policy, written, weakest, replace, position, compression)
+        written["pos"] = cf._prune(b, policy, written, evicted, position, compression)
     return {"out": out} | {f"{name}_out": value for name, value in written.items()}
 
 

@@ -45,6 +45,7 @@ def compressed_model(
     ]
     names = cf.state_names(compression)
     inputs += [helper.make_tensor_value_info(name, *state_types[name]) for name in names]
+    inputs.append(helper.make_tensor_value_info("observe", TensorProto.BOOL, [1]))
     outputs = [helper.make_tensor_value_info("out", f, [1, "T", heads, head_dim])]
     outputs += [helper.make_tensor_value_info(f"{name}_out", *state_types[name]) for name in names]
     node = helper.make_node(
@@ -82,9 +83,11 @@ def _run(
     in_place=False,
     grid=0.0,
     decode_sess=None,
+    unobserved=(),
     **kw,
 ):
     """``decode_sess``: one-token steps run on it, longer ones on ``sess`` (a bundle's two graphs over one state).
+    ``unobserved``: the indices of the steps fed ``observe`` = False.
     ``grid`` > 0 rounds the inputs to its multiples: with a power of two and a head dim that is a power of four,
     a rotation's products and sums are exact in float32 in any order, so ONNX Runtime and numpy store the same
     bytes (otherwise their summation orders may differ in the last bit and tip a rounding)."""
@@ -94,7 +97,8 @@ def _run(
     mine = {name: value.copy() for name, value in _state_feed(state).items()}
     bound = {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in mine.items()} if in_place else None
     scale = kw.get("scale", head_dim**-0.5)
-    for start, count in steps:
+    for index, (start, count) in enumerate(steps):
+        observe = index not in unobserved
         q = snap(rng.standard_normal((1, heads, count, head_dim))).astype(np.float32)
         # a few loud keys so that scored policies have something to find
         k = rng.standard_normal((1, kv_heads, count, head_dim)) * rng.uniform(0.2, 3, (1, kv_heads, count, 1))
@@ -103,9 +107,9 @@ def _run(
         positions = np.arange(start, start + count, dtype=np.int64)[None]
         protect = np.isin(positions, protect_at)
         want_out, state = reference.compressed_kv_attention(
-            q, k, v, positions, protect, state, compression, scale=scale, window=window
+            q, k, v, positions, protect, state, compression, scale=scale, window=window, observe=observe
         )
-        feeds = dict(q=q, k=k, v=v, position_ids=positions, protect=protect)
+        feeds = dict(q=q, k=k, v=v, position_ids=positions, protect=protect, observe=np.array([observe]))
         step = decode_sess if decode_sess is not None and count == 1 else sess
         if in_place:
             binding = step.io_binding()
@@ -282,7 +286,8 @@ def test_one_branch_graphs_match_reference_in_place(dtype, policy, fused):
     for specialised in (general, decode):
         onnx.checker.check_model(specialised, full_check=True)
     branches = {a.g.name for node in general.functions[0].node if node.op_type == "If" for a in node.attribute}
-    assert branches == ({"fast_attention", "full_attention"} if fused and policy != "h2o" else set())
+    fused_branches = {"fast_attention", "full_attention", "observed_scores", "unobserved_scores"}
+    assert branches == (fused_branches if fused and policy != "h2o" else set())
     assert not any(node.op_type == "If" for node in decode.functions[0].node)
     assert any(node.op_type == "TopK" for node in general.functions[0].node)
     assert not any(node.op_type == "TopK" for node in decode.functions[0].node)
@@ -306,3 +311,184 @@ def test_one_branch_graphs_match_reference_in_place(dtype, policy, fused):
     )
     with pytest.raises(Exception, match="Non-zero status code"):  # q [B,H,3,D] cannot be reshaped to [B,Hkv,G,D]
         _run(decoder, compression, heads, kv_heads, head_dim, capacity, [(0, 3)], seed, scale=0.3)
+
+
+# --- the `observe` input: a prompt chunk whose scores the next chunk replaces skips its observation ---------------
+# steps 0, 2, 4 and 6 unobserved: chunks with room, a chunk that evicts (the slots keep their scores, the new tokens
+# start at zero) and a one-token step (which observes all the same)
+UNOBSERVED = {0, 2, 4, 6}
+
+
+@pytest.mark.parametrize(
+    "dtype,policy,fused",
+    [("int8", "snapkv", True), ("int4", "h2o", True), ("fp8", "tova", False), ("fp32", "streaming", True)]
+    + [("int8", "snapkv", False), ("fp16", "adaptive", False)],
+)
+def test_unobserved_calls_match_reference(dtype, policy, fused):
+    """The fused body (an If around the observation) and the every-query one (a Where) take the reference's
+    meaning of ``observe`` = False, in place: slots, bytes, scores and outputs."""
+    heads, kv_heads, head_dim, capacity = SHAPES[1]
+    compression = Compression(capacity=capacity, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
+    sess = _session(compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.3, fused=fused))
+    seed = hash((dtype, policy, "unobserved")) % 1000
+    steps, unobserved = STEPS, UNOBSERVED
+    _run(
+        sess,
+        compression,
+        heads,
+        kv_heads,
+        head_dim,
+        capacity,
+        steps,
+        seed,
+        in_place=True,
+        unobserved=unobserved,
+        scale=0.3,
+    )
+
+
+def test_unobserved_call_keeps_old_scores_and_starts_new_ones_at_zero():
+    """What ``observe`` = False means, on a cache that must evict: the old slots' scores are untouched, the new
+    tokens' are zero (+inf where protected), and an observed call scores differently (the test would see a body
+    that ignored the input)."""
+    heads, kv_heads, head_dim, capacity = 4, 2, 16, 8
+    compression = Compression(capacity=capacity, sink=1, window=2, policy="snapkv", dtype="int8", group=8, observe=3)
+    sess = _session(compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.3, fused=True))
+    state = _run(sess, compression, heads, kv_heads, head_dim, capacity, [(0, 6)], seed=1, scale=0.3)
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, heads, 5, head_dim)).astype(np.float32)
+    k, v = rng.standard_normal((2, 1, kv_heads, 5, head_dim)).astype(np.float32)
+    positions = np.arange(6, 11)[None]
+    protect = positions == 7
+    scores = {}
+    for observe in (True, False):
+        feeds = dict(q=q, k=k, v=v, position_ids=positions, protect=protect, observe=np.array([observe]))
+        results = sess.run(None, feeds | _state_feed(state))
+        scores[observe] = dict(zip(cf.state_names(compression), results[1:], strict=True))
+    unobserved = scores[False]
+    for head in range(kv_heads):
+        score, pos = unobserved["score"][0, head], unobserved["pos"][0, head]
+        for slot, position in enumerate(pos):
+            if position >= 6:  # a new token
+                assert score[slot] == (np.inf if position == 7 else 0.0)
+            else:
+                old_slot = list(state["pos"][0, head]).index(position)
+                assert score[slot] == state["score"][0, head, old_slot]
+    assert not np.array_equal(scores[True]["score"], unobserved["score"])
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_prompt_overwrites_is_what_the_update_does(policy):
+    """``prompt_overwrites`` (the runtime then skips a chunk's observation when the next chunk follows) holds
+    exactly for the policies whose multi-token update reads no old score."""
+    from edgec.kvcache.policies.base import prompt_overwrites
+
+    module = POLICIES[policy]
+    rng = np.random.default_rng(0)
+    stats = {name: rng.random((1, 2, 14), dtype=np.float32) for name in ("total", "observed", "last")}
+    key_pos = np.arange(14)[None, None].repeat(2, 1)
+    old = [rng.random((1, 2, 9), dtype=np.float32) for _ in range(2)]
+    same = np.array_equal(*(module.update(score, stats, key_pos, 5) for score in old))
+    assert prompt_overwrites(module) == same
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "tova", "streaming"])
+@pytest.mark.parametrize("dtype", ["int8", "fp32"])
+def test_skipping_the_observation_of_all_but_the_last_chunk_changes_nothing(policy, dtype):
+    """A prompt that fits the slots, read in chunks: when every chunk but the last skips its observation, the
+    cache ends the prompt in the same state (bytes, slots, scores) with the same outputs, through the reference
+    and through the op — what the runtime relies on (edgec/runtime/observe.py)."""
+    heads, kv_heads, head_dim, capacity = 4, 2, 16, 40
+    compression = Compression(capacity=capacity, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
+    chunks = [(0, 4), (4, 12), (16, 12), (28, 12)]
+    sess = _session(compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.3, fused=True))
+    shape = (heads, kv_heads, head_dim, capacity)
+    observed = _run(sess, compression, *shape, chunks, seed=4, in_place=True, scale=0.3)
+    skipped = _run(sess, compression, *shape, chunks, seed=4, in_place=True, scale=0.3, unobserved={0, 1, 2})
+    for name, value in observed.items():
+        np.testing.assert_array_equal(skipped[name], value, err_msg=name)
+
+
+# --- in place: every reader of a state input runs before the scatter that overwrites it ---------------------------
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The names a node reads: its inputs and what its subgraphs take from outside them."""
+    names = set(node.input)
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            produced = {out for inner in attribute.g.node for out in inner.output}
+            names |= {name for inner in attribute.g.node for name in _reads(inner) if name not in produced}
+    return names
+
+
+def _assert_reads_before_writes(nodes, output_names: list[str], compression: Compression) -> None:
+    """In one branch: the node that produces a state output has every node reading that state input among its
+    ancestors. The runtime binds each state output to its input's buffer, ONNX Runtime writes a branch's outputs
+    straight into the If's (so into that buffer) as they are produced, and it may run a node as soon as its inputs
+    exist: a reader that is not an ancestor may read the new value."""
+    producers = {out: node for node in nodes for out in node.output}
+
+    def ancestors(node: onnx.NodeProto) -> set[int]:
+        seen, stack = set(), [node]
+        while stack:
+            for name in _reads(stack.pop()):
+                parent = producers.get(name)
+                if parent is not None and id(parent) not in seen:
+                    seen.add(id(parent))
+                    stack.append(parent)
+        return seen
+
+    # the outputs: the attention, then the state in order
+    outputs = dict(zip(cf.state_names(compression), output_names[1:], strict=True))
+    live = set().union(*(ancestors(producers[name]) | {id(producers[name])} for name in output_names))
+    for state, output in outputs.items():
+        writer = producers[output]
+        before = ancestors(writer)
+        # a node whose result nothing uses may read whenever (the decode branch's key positions, for a policy that
+        # ignores them)
+        late = [
+            node.op_type
+            for node in nodes
+            if state in _reads(node) and id(node) in live and node is not writer and id(node) not in before
+        ]
+        assert not late, f"{state} is read by {late} that may run after {state}_out is written"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype,policy", [("int8", "snapkv"), ("int4", "adaptive"), ("fp32", "tova"), ("fp8", "h2o")])
+def test_every_state_read_comes_before_its_write(dtype, policy, fused):
+    """What makes running the state in place correct (backend_ort binds each state output to its input's buffer),
+    checked on the graph rather than on what one ONNX Runtime happened to schedule: in the decode and the general
+    branch, every node that reads a state input — the fused path's check that a chunk extends the slots, the
+    pruning's look at the evicted positions — is an ancestor of the scatter that writes it."""
+    compression = Compression(capacity=16, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
+    function = cf.make_function(compression, 23, cf.Heads(6, 3, 32), fused_attention=fused)
+    (branch_node,) = [node for node in function.node if node.op_type == "If"]
+    for attribute in branch_node.attribute:
+        _assert_reads_before_writes(attribute.g.node, [value.name for value in attribute.g.output], compression)
+    # the general body alone, every slot attended (TensorRT-RTX targets: no If)
+    every_slot = cf.make_function(compression, 23, cf.Heads(6, 3, 32), data_dependent_shapes=False)
+    _assert_reads_before_writes(every_slot.node, list(every_slot.output), compression)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "adaptive"])
+def test_every_state_read_comes_before_its_write_with_two_pools(policy):
+    """The same for the mixed-precision body (a wide pool beside the narrow one: twelve state tensors)."""
+    compression = Compression(capacity=20, sink=2, window=4, policy=policy, dtype="int4", mixed="int8", group=8)
+    function = cf.make_function(compression, 23, cf.Heads(6, 3, 32), fused_attention=True)
+    (branch_node,) = [node for node in function.node if node.op_type == "If"]
+    for attribute in branch_node.attribute:
+        _assert_reads_before_writes(attribute.g.node, [value.name for value in attribute.g.output], compression)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "adaptive"])
+def test_every_state_read_comes_before_its_write_around_the_plugin(policy):
+    """The same for the TensorRT-RTX plugin's function: its one-token branch (the plugin's node, then the slot
+    choice and the writes) and its general every-slot branch."""
+    pytest.importorskip("edgec.plugins.compressed_attention.kernel", reason="needs triton (edgec[dev])")
+    from edgec.plugins.compressed_attention.graph import make_plugin_function
+
+    compression = Compression(capacity=16, sink=2, window=3, policy=policy, dtype="int8", group=8, observe=4)
+    function = make_plugin_function(compression, 23, cf.Heads(6, 3, 32))
+    (branch_node,) = [node for node in function.node if node.op_type == "If"]
+    for attribute in branch_node.attribute:
+        _assert_reads_before_writes(attribute.g.node, [value.name for value in attribute.g.output], compression)

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from edgec.kvcache import compressed_function as cf
 from edgec.kvcache import reference
 from edgec.kvcache.compression import Compression
-from edgec.kvcache.spec import PROTECT_INPUT, CacheSpec, LayerCache, compressed_state
+from edgec.kvcache.spec import OBSERVE_INPUT, PROTECT_INPUT, CacheSpec, LayerCache, compressed_state
 from edgec.passes.float16 import float16
 
 HEADS, KV_HEADS, HEAD_DIM, CAPACITY = 4, 2, 16, 12
@@ -40,11 +40,12 @@ def _model(compression: Compression, every_slot: bool) -> tuple[ir.Model, CacheS
         helper.make_tensor_value_info(PROTECT_INPUT, TensorProto.BOOL, [1, "T"]),
     ]
     inputs += [helper.make_tensor_value_info(t.input, *state_info[t.name]) for t in layer.tensors()]
+    inputs.append(helper.make_tensor_value_info(OBSERVE_INPUT, TensorProto.BOOL, [1]))
     outputs = [helper.make_tensor_value_info("out", f, [1, "T", HEADS, HEAD_DIM])]
     outputs += [helper.make_tensor_value_info(t.output, *state_info[t.name]) for t in layer.tensors()]
     node = helper.make_node(
         cf.OP_TYPE,
-        ["q", "k", "v", "position_ids", PROTECT_INPUT, *(t.input for t in layer.tensors())],
+        ["q", "k", "v", "position_ids", PROTECT_INPUT, *(t.input for t in layer.tensors()), OBSERVE_INPUT],
         ["out", *(t.output for t in layer.tensors())],
         domain=cf.DOMAIN,
         scale=HEAD_DIM**-0.5,
@@ -87,6 +88,7 @@ def test_fp16_graph_chooses_the_reference_slots(dtype, every_slot):
             compression, scale=HEAD_DIM**-0.5,
         )  # fmt: skip
         feeds = {"q": q, "k": k, "v": v, "position_ids": positions, PROTECT_INPUT: protect} | mine
+        feeds[OBSERVE_INPUT] = np.ones(1, bool)
         results = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
         mine = {name.replace("new_cache", "cache"): value for name, value in results.items() if name != "out"}
         np.testing.assert_array_equal(mine["cache.0.pos"], state["pos"], err_msg=f"slots differ at step {start}")

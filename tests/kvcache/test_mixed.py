@@ -43,6 +43,7 @@ def mixed_model(heads, kv_heads, head_dim, capacity, compression, scale, window=
     ]
     typed = {_feed_name(n): (NUMPY_TYPES[a.dtype], list(a.shape)) for n, a in state.items()}
     inputs += [helper.make_tensor_value_info(name, *typed[name]) for name in cf.state_names(compression)]
+    inputs.append(helper.make_tensor_value_info("observe", TensorProto.BOOL, [1]))
     outputs = [helper.make_tensor_value_info("out", f, [1, "T", heads, head_dim])]
     outputs += [helper.make_tensor_value_info(f"{name}_out", *typed[name]) for name in cf.state_names(compression)]
     node = helper.make_node(
@@ -68,20 +69,22 @@ def _inputs(rng, heads, kv_heads, head_dim, start, count, grid=0.0):
     return q, snap(k).astype(np.float32), v, np.arange(start, start + count, dtype=np.int64)[None]
 
 
-def _run(sess, compression, shape, steps, seed, in_place, window=0, protect_at=(), grid=0.0):
-    """Step the op through ONNX Runtime and the reference; every output and state byte must agree."""
+def _run(sess, compression, shape, steps, seed, in_place, window=0, protect_at=(), grid=0.0, unobserved=()):
+    """Step the op through ONNX Runtime and the reference; every output and state byte must agree.
+    ``unobserved``: the indices of the steps fed ``observe`` = False."""
     heads, kv_heads, head_dim, capacity = shape
     rng = np.random.default_rng(seed)
     state = reference.empty_compressed_state(kv_heads, capacity, head_dim, compression)
     mine = {_feed_name(name): value.copy() for name, value in state.items()}
     bound = {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in mine.items()}
-    for start, count in steps:
+    for index, (start, count) in enumerate(steps):
         q, k, v, positions = _inputs(rng, heads, kv_heads, head_dim, start, count, grid)
         protect = np.isin(positions, protect_at)
+        observe = index not in unobserved
         want_out, state = reference.compressed_kv_attention(
-            q, k, v, positions, protect, state, compression, scale=0.3, window=window
+            q, k, v, positions, protect, state, compression, scale=0.3, window=window, observe=observe
         )
-        feeds = dict(q=q, k=k, v=v, position_ids=positions, protect=protect)
+        feeds = dict(q=q, k=k, v=v, position_ids=positions, protect=protect, observe=np.array([observe]))
         if in_place:  # each state tensor one buffer, bound as input and output
             binding = sess.io_binding()
             binding.bind_output("out")
@@ -279,3 +282,13 @@ def _readers(nodes: list[onnx.NodeProto], name: str) -> set[int]:
                 if node.op_type in ALIASING:
                     names.extend(node.output)
     return found
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_unobserved_calls_match_reference(policy):
+    """``observe`` = False (a prompt chunk whose scores the next one replaces; one-token steps ignore it): the
+    two-pool body takes the reference's meaning, in place, through chunks with room and chunks that evict."""
+    shape = (4, 2, 16, 20)
+    compression = Compression(capacity=20, sink=2, window=4, policy=policy, dtype="int4", mixed="int8", group=8)
+    sess = _session(mixed_model(*shape, compression, scale=0.3))
+    _run(sess, compression, shape, STEPS, seed=9, in_place=True, protect_at=[10], unobserved={0, 2, 3, 6, 9})

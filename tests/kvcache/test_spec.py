@@ -56,7 +56,8 @@ def test_state_is_named_and_allocated_by_the_spec():
     assert arrays["cache.1.k_scale"].shape == (1, 2, 30, 2) and (arrays["cache.1.pos"] == -1).all()
     assert arrays["cache.0.k"].shape == (1, 2, 16, 32)
     feeds = spec.empty_feeds(tokens=3)
-    assert feeds["protect"].shape == (1, 3) and set(feeds) == {*arrays, "protect"}
+    assert feeds["protect"].shape == (1, 3) and set(feeds) == {*arrays, "protect", "observe"}
+    assert feeds["observe"].tolist() == [True]
     inputs = set(spec.state_inputs())
     outputs = {t.output for t in spec.tensors()}
     assert spec.mismatch(inputs, outputs) is None

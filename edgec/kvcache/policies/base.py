@@ -25,6 +25,7 @@ class Policy(Protocol):
     name: str
     needs: tuple[str, ...]  # which statistics the update reads
     # optional: ``prompt_needs``, the statistics a call of T > 1 tokens reads where fewer than ``needs``
+    # optional: ``prompt_overwrites`` True, a call of T > 1 tokens replaces every score (reads no old one)
     prunes: bool  # evicts below a threshold when the cache is full, not just what the new tokens need
 
     def update(self, score: np.ndarray, stats: dict[str, np.ndarray], key_pos: np.ndarray, new: int) -> np.ndarray:
@@ -40,6 +41,13 @@ def prompt_needs(policy: Policy) -> tuple[str, ...]:
     that needs no ``total`` there (snapkv, tova, streaming) lets the op attend with a fused kernel and score
     from the last ``observe`` query rows alone, never the call's whole score matrix."""
     return getattr(policy, "prompt_needs", policy.needs)
+
+
+def prompt_overwrites(policy: Policy) -> bool:
+    """Whether a multi-token call's update replaces every score without reading the old ones (snapkv, tova,
+    streaming): then a prompt chunk followed by another one need not observe (the op's ``observe`` input), as
+    the next chunk's scores replace its own."""
+    return bool(getattr(policy, "prompt_overwrites", False))
 
 
 def accumulate(score: np.ndarray, received: np.ndarray, decay: float) -> np.ndarray:

@@ -12,6 +12,7 @@ from edgec.kvcache.policies.base import accumulate, accumulate_onnx
 name = "snapkv"
 needs = ("total", "observed")
 prompt_needs = ("observed",)  # a prompt chunk is judged by its last queries only
+prompt_overwrites = True  # a prompt chunk's scores replace the old ones
 prunes = False
 DECAY = 0.99
 POOL = 7  # SnapKV's max-pool kernel

@@ -7,6 +7,7 @@ import numpy as np
 name = "streaming"
 needs: tuple[str, ...] = ()
 prunes = False
+prompt_overwrites = True  # a prompt chunk's scores replace the old ones
 
 
 def update(score, stats, key_pos, new) -> np.ndarray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 name = "tova"
 needs = ("last",)
 prunes = False
+prompt_overwrites = True  # a prompt chunk's scores replace the old ones
 
 
 def update(score, stats, key_pos, new):
