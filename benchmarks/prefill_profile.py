@@ -1,0 +1,103 @@
+"""Where a long prompt's time goes, by ONNX Runtime op type: the plain int4 bundle and the compressed one (1024 int8
+slots, ``end``) of benchmarks/kv_speed.py, one after the other in one process, ONNX Runtime's profiler on.
+
+    python benchmarks/prefill_profile.py [--prompt 4000] [--threads 1]
+
+Prints each bundle's prefill seconds (with the profiler's own overhead), kernel seconds per op type (an ``If``
+counts its branches' nodes too, which are also listed by type), how many GroupQueryAttention calls ran against
+the number of layers × chunks (fewer: some chunk took the materialized fallback), and the compressed / plain
+ratio; results: benchmarks/out/prefill_profile.json. Not a speed claim (the profiler slows small nodes); a map of
+where the compressed prefill's extra goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kv_speed  # noqa: E402
+
+BUNDLES = (kv_speed.PLAIN_INT4, kv_speed.COMPRESSED)
+
+
+def profile(name: str, ids: list[int], threads: int, folder: Path) -> dict:
+    import onnxruntime as ort
+
+    from edgec.runtime import Model
+
+    class Profiling(ort.SessionOptions):  # every session the runtime opens profiles itself
+        def __init__(self) -> None:
+            super().__init__()
+            self.enable_profiling = True
+            self.profile_file_prefix = str(folder / name.replace(" ", "_").replace(",", ""))
+
+    plain_options, ort.SessionOptions = ort.SessionOptions, Profiling
+    try:
+        model = Model.load(kv_speed.OUT / kv_speed.BUNDLES[name][0], threads=threads, spin=False)
+    finally:
+        ort.SessionOptions = plain_options
+    started = time.perf_counter()
+    with model._state() as state:
+        model._prefill(state, np.asarray(ids, np.int64), all_logits=False)
+    seconds = time.perf_counter() - started
+    backend = model._backend
+    session = (backend.prefill or backend.graph).session
+    events = json.loads(Path(session.end_profiling()).read_text())
+    per_op, calls = collections.defaultdict(float), collections.Counter()
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            per_op[event["args"]["op_name"]] += event["dur"] / 1e6
+            calls[event["args"]["op_name"]] += 1
+    chunks = len(model._chunks(len(ids)))
+    layers = len(model.cache_spec.layers)
+    return {
+        "prefill_seconds": seconds,
+        "kernel_seconds": dict(sorted(per_op.items(), key=lambda item: -item[1])),
+        "calls": dict(calls),
+        "attention_calls_expected": layers * chunks,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", type=int, default=4000)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    kv_speed.prepare([*BUNDLES])
+    ids = kv_speed.prompt_ids(args.prompt)
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name in BUNDLES:
+            results[name] = profile(name, ids, args.threads, Path(folder))
+    for name, result in results.items():
+        gqa = result["calls"].get("GroupQueryAttention", 0)
+        print(f"{name}: prefill {result['prefill_seconds']:.1f} s; GroupQueryAttention ran {gqa} of "
+              f"{result['attention_calls_expected']} layer-chunks")  # fmt: skip
+        for op, seconds in list(result["kernel_seconds"].items())[:15]:
+            print(f"  {seconds:8.3f} s  {result['calls'][op]:6d}  {op}")
+    plain, compressed = (results[name]["prefill_seconds"] for name in BUNDLES)
+    print(f"compressed / plain prefill: {compressed / plain:.3f}")
+    record = {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, {args.threads} threads",
+        "command": "python " + " ".join(sys.argv),
+        "prompt_tokens": len(ids),
+        "results": results,
+    }
+    kv_speed.OUT.mkdir(parents=True, exist_ok=True)
+    (kv_speed.OUT / "prefill_profile.json").write_text(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
