@@ -215,6 +215,27 @@ def test_compressed_cache_on_tensorrt_rtx(compressed_rtx_bundle, tiny_llama, tmp
     assert not [p for p in cudart.ALLOCATIONS.values() if p.nbytes > 1 << 20]  # the larger prompt state was freed
 
 
+def test_only_the_last_chunk_of_a_long_prompt_observes_on_the_engine(compressed_rtx_bundle, fake_gpu, monkeypatch):
+    """The engine takes the op's `observe` input and the backend feeds it as the ONNX Runtime one does
+    (edgec/runtime/observe.py): False for every chunk of an `end` prompt but the last, True for one-token steps."""
+    from edgec.runtime.observe import PromptObservation
+
+    fed: list[bool] = []
+    original = PromptObservation.observes
+
+    def observes(self, newest: int) -> bool:
+        fed.append(original(self, newest))
+        return fed[-1]
+
+    monkeypatch.setattr(PromptObservation, "observes", observes)
+    _register(compressed_rtx_bundle)
+    model = Model.load(compressed_rtx_bundle)
+    assert model._backend.observes
+    ids = model.encode(pydoc_text()[1000:1250])[:70]  # 70 tokens, 16-token chunks: 6, then four of 16
+    list(model.generate_ids(ids, max_new_tokens=3))
+    assert fed == [False] * 4 + [True] * 3  # the last chunk, then two one-token steps
+
+
 def test_a_saved_prompt_restores_into_device_buffers(compressed_rtx_bundle, tmp_path, fake_gpu):
     """save_state downloads the engine's cache state after a prompt longer than the capacity; another Model
     uploads it (TrtCacheState.restore) and generates the cold run's tokens without reading the prompt."""
