@@ -58,11 +58,12 @@ def state_names(compression: Compression) -> tuple[str, ...]:
     return tuple(FORMAL.get(name, name) for name in compressed_state(compression))
 
 
-def inputs(compression: Compression, observe: bool = True) -> tuple[str, ...]:
+def inputs(compression: Compression, with_observe: bool = True) -> tuple[str, ...]:
     """The op's inputs. ``observe`` [1] bool comes last: False for a prompt chunk whose scores the next chunk
     replaces (the policy's update is skipped: ``reference.compressed_kv_attention``); one-token calls ignore it.
-    ``observe=False`` leaves it out (the one-token plugin's own node)."""
-    return ("q", "k", "v", "position_ids", "protect", *state_names(compression), *(("observe",) if observe else ()))
+    ``with_observe=False``: without it (the one-token plugin's own node)."""
+    observe = ("observe",) if with_observe else ()
+    return ("q", "k", "v", "position_ids", "protect", *state_names(compression), *observe)
 
 
 def outputs(compression: Compression) -> tuple[str, ...]:

@@ -81,7 +81,7 @@ def make_sub_function(compression: Compression, default_opset: int, heads: cf.He
     return helper.make_function(
         cf.DOMAIN,
         SUB_OP,
-        list(cf.inputs(compression, observe=False)),  # one token always observes
+        list(cf.inputs(compression, with_observe=False)),  # one token always observes
         list(SUB_OUTPUTS),
         b.nodes,
         opset_imports=[helper.make_opsetid("", default_opset)],
@@ -131,7 +131,8 @@ def make_plugin_function(compression: Compression, default_opset: int, heads: cf
 def _decode(b: Body, compression: Compression, heads: cf.Heads) -> dict[str, str]:
     """One token: the sub-op, then the slot choice and the writes of ``compressed_function._decode``."""
     policy = policies.get(compression.policy)
-    node = helper.make_node(SUB_OP, list(cf.inputs(compression, observe=False)), [b.fresh("out"), b.fresh("score_all")])
+    inputs = list(cf.inputs(compression, with_observe=False))  # one token always observes
+    node = helper.make_node(SUB_OP, inputs, [b.fresh("out"), b.fresh("score_all")])
     node.domain = cf.DOMAIN
     node.attribute.extend(_reference(name, kind) for name, kind in (("scale", "f"), ("window", "i")))
     node.attribute.extend(helper.make_attribute(name, value) for name, value in settings(compression).items())

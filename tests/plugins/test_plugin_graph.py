@@ -50,7 +50,7 @@ def sub_op_model(heads, kv_heads, head_dim, capacity, compression, scale, window
     node = model.graph.node[0]
     node.op_type = graph.SUB_OP
     # the sub-op runs one-token steps only, which always observe: it takes no `observe`
-    del node.input[len(cf.inputs(compression, observe=False)) :]
+    del node.input[len(cf.inputs(compression, with_observe=False)) :]
     model.graph.input.remove(next(value for value in model.graph.input if value.name == "observe"))
     del node.output[:]
     node.output.extend(graph.SUB_OUTPUTS)
