@@ -444,9 +444,7 @@ def _general(
     group_size = b.op("Div", heads, kv_heads)
     attend = _Attend(old_k, old_v, attended_pos, rows_shape, group_size, scale_attr, window_attr)
     needs = prompt_needs(policy) if fused is not None and not every_slot else policy.needs
-    # `observe` false (a prompt chunk whose scores the next one replaces; T = 1 always observes): the slots keep
-    # their scores and the new tokens start at zero
-    observing = b.op("Or", b.op("Squeeze", "observe", b.i64([0])), b.op("Equal", b.op("Squeeze", new), b.i64(1)))
+    observing = _observing(b, new)
 
     def updated_in(body: Body, judged: str | None, judged_rows: str) -> str:
         """2. what this call's attention says about each candidate, then the policy's scores."""
@@ -470,14 +468,11 @@ def _general(
             stats[name] = body.op("Concat", old_part, tail, axis=-1)
         return policy.update_onnx(body, "score", stats, key_pos, new)
 
-    def unobserved(body: Body) -> str:
-        return body.op("Pad", "score", body.op("Concat", body.i64([0, 0, 0, 0, 0]), new, axis=0), body.f32(0.0))
-
     if fused is None or every_slot or "total" in needs:  # every query's probabilities: the output comes with them
         probs = attend.probs(b, "q", "position_ids", new)
         out = attend.output(b, probs, active)
         # the probabilities are computed for the output anyway: the unobserved case is a choice, not a saving
-        updated = b.op("Where", observing, updated_in(b, probs, new), unobserved(b))
+        updated = b.op("Where", observing, updated_in(b, probs, new), _unobserved(b, "score", new))
     else:
         out = _fused_output(b, attend, filled, active, new, window_attr, fused, compression.dtype == "fp32")
         # the policy reads the last `observe` queries only: their rows alone, and only when the call observes
@@ -493,7 +488,7 @@ def _general(
                 judged = attend.probs(body, judged_q, judged_pos, judged_rows) if needs else None
                 result = updated_in(body, judged, judged_rows)
             else:
-                result = unobserved(body)
+                result = _unobserved(body, "score", new)
             value = body.op("Identity", result, name=f"{kind}_score")
             output = helper.make_tensor_value_info(value, TensorProto.FLOAT, None)
             branches[kind] = helper.make_graph(body.nodes, f"{kind}_scores", [], [output])
@@ -543,6 +538,16 @@ def _general(
     if policy.prunes:
         written["pos"] = _prune(b, policy, written, evicted, newest, compression)
     return {"out": out} | {f"{name}_out": value for name, value in written.items()}
+
+
+def _observing(b: Body, new: str) -> str:
+    """Whether the call updates the policy's scores: the ``observe`` input, or T = 1 (one token always observes)."""
+    return b.op("Or", b.op("Squeeze", "observe", b.i64([0])), b.op("Equal", b.op("Squeeze", new), b.i64(1)))
+
+
+def _unobserved(b: Body, score: str, new: str) -> str:
+    """The scores of a call that does not observe: the slots keep theirs, the ``new`` tokens start at zero."""
+    return b.op("Pad", score, b.op("Concat", b.i64([0, 0, 0, 0, 0]), new, axis=0), b.f32(0.0))
 
 
 def _after(b: Body, indices: str, *values: str) -> str:

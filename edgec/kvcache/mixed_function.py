@@ -32,10 +32,12 @@ from edgec.kvcache.compressed_function import (
     _forced,
     _group_mask,
     _index_order,
+    _observing,
     _quantize,
     _raw_values,
     _scaled_context,
     _scaled_scores,
+    _unobserved,
     _write,
 )
 from edgec.kvcache.compression import Compression
@@ -158,11 +160,9 @@ def _attend_general(b: Body, compression: Compression, scale_attr: str, window_a
     stats = _per_candidate(b, stats, attended, lo, active)
     old_score = b.op("Concat", "score_hi", "score", axis=2)
     updated = policy.update_onnx(b, old_score, stats, key_pos, new)
-    # `observe` false (a prompt chunk whose scores the next one replaces): the slots keep their scores, the new
-    # tokens start at zero (the probabilities are computed for the output anyway)
-    observing = b.op("Or", b.op("Squeeze", "observe", b.i64([0])), b.op("Equal", b.op("Squeeze", new), b.i64(1)))
-    unobserved = b.op("Pad", old_score, b.op("Concat", b.i64([0, 0, 0, 0, 0]), new, axis=0), b.f32(0.0))
-    updated = b.op("Where", observing, updated, unobserved)
+    # `observe` false (a prompt chunk whose scores the next one replaces); the probabilities are there for the
+    # output anyway: a choice, not a saving
+    updated = b.op("Where", _observing(b, new), updated, _unobserved(b, old_score, new))
     return _Scored(out, key_pos, new_pos, bht, old_pos, old_score, updated, hi_k, hi_v)
 
 

@@ -101,3 +101,65 @@ def present(sess: ort.InferenceSession, feeds: dict) -> dict:
     """Only the feeds the (possibly lowered) graph still has."""
     names = {i.name for i in sess.get_inputs()}
     return {name: value for name, value in feeds.items() if name in names}
+
+
+# --- in place: every reader of a state input runs before the node that overwrites it ------------------------------
+# ops that ONNX Runtime may run on their input's buffer (a view): reading their output reads the state
+ALIASING = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The names a node reads: its inputs and what its subgraphs (If branches) take from outside them."""
+    names = set(node.input)
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            produced = {out for inner in attribute.g.node for out in inner.output}
+            names |= {name for inner in attribute.g.node for name in _reads(inner) if name not in produced}
+    return names
+
+
+def assert_state_read_before_written(nodes, outputs: list[str], compression) -> None:
+    """The in-place proof, on the graph, for one body of CompressedKVAttention (an If branch, or a body without
+    one): ``outputs`` names its outputs in ``compressed_function.outputs`` order. Bound in place, a state input's
+    buffer is its output's, which the node computing the output writes — the last one before views (Identity,
+    Reshape…, which ONNX Runtime may run on that buffer): a ScatterElements, or the Where that prunes positions.
+    Every live node that reads the input — directly, through a view, or from inside a subgraph — must be an
+    ancestor of that writer: ONNX Runtime runs a node once its inputs exist, so nothing then reads a slot after it
+    was overwritten. (A node whose result nothing uses may read whenever.)"""
+    from edgec.kvcache import compressed_function as cf
+
+    nodes = list(nodes)
+    producers = {output: i for i, node in enumerate(nodes) for output in node.output}
+
+    def ancestors(index: int) -> set[int]:
+        seen, stack = set(), [index]
+        while stack:
+            for name in _reads(nodes[stack.pop()]):
+                if name in producers and producers[name] not in seen:
+                    seen.add(producers[name])
+                    stack.append(producers[name])
+        return seen
+
+    def readers(name: str) -> set[int]:
+        found, names = set(), [name]
+        while names:
+            current = names.pop()
+            for i, node in enumerate(nodes):
+                if current in _reads(node):
+                    found.add(i)
+                    if node.op_type in ALIASING:
+                        names.extend(node.output)
+        return found
+
+    live = set().union(*(ancestors(producers[name]) | {producers[name]} for name in outputs))
+    formal = list(cf.outputs(compression))
+    for name in cf.state_names(compression):
+        writer = producers[outputs[formal.index(f"{name}_out")]]
+        while nodes[writer].op_type in ALIASING:
+            writer = producers[nodes[writer].input[0]]
+        assert nodes[writer].op_type in ("ScatterElements", "Where"), (name, nodes[writer].op_type)
+        before = ancestors(writer)
+        reading = readers(name) & live
+        assert reading, name
+        late = [nodes[i].op_type for i in reading if i != writer and i not in before]
+        assert not late, f"{name} is read after its output is written, by {late}"

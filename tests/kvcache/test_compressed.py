@@ -13,6 +13,7 @@ from edgec.kvcache import compressed_function as cf
 from edgec.kvcache import reference
 from edgec.kvcache.compression import Compression
 from edgec.kvcache.policies import POLICIES
+from tests.kvcache.helpers import assert_state_read_before_written
 
 # out: float32 attention; ORT and numpy (float64) differ by accumulation order, and the dequantized slots are
 # computed identically (same bytes, same scales) so the dtype does not widen it
@@ -331,20 +332,8 @@ def test_unobserved_calls_match_reference(dtype, policy, fused):
     compression = Compression(capacity=capacity, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
     sess = _session(compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.3, fused=fused))
     seed = hash((dtype, policy, "unobserved")) % 1000
-    steps, unobserved = STEPS, UNOBSERVED
-    _run(
-        sess,
-        compression,
-        heads,
-        kv_heads,
-        head_dim,
-        capacity,
-        steps,
-        seed,
-        in_place=True,
-        unobserved=unobserved,
-        scale=0.3,
-    )
+    shape = (heads, kv_heads, head_dim, capacity)
+    _run(sess, compression, *shape, STEPS, seed, in_place=True, unobserved=UNOBSERVED, scale=0.3)
 
 
 def test_unobserved_call_keeps_old_scores_and_starts_new_ones_at_zero():
@@ -410,74 +399,22 @@ def test_skipping_the_observation_of_all_but_the_last_chunk_changes_nothing(poli
 
 
 # --- in place: every reader of a state input runs before the scatter that overwrites it ---------------------------
-def _reads(node: onnx.NodeProto) -> set[str]:
-    """The names a node reads: its inputs and what its subgraphs take from outside them."""
-    names = set(node.input)
-    for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.GRAPH:
-            produced = {out for inner in attribute.g.node for out in inner.output}
-            names |= {name for inner in attribute.g.node for name in _reads(inner) if name not in produced}
-    return names
-
-
-def _assert_reads_before_writes(nodes, output_names: list[str], compression: Compression) -> None:
-    """In one branch: the node that produces a state output has every node reading that state input among its
-    ancestors. The runtime binds each state output to its input's buffer, ONNX Runtime writes a branch's outputs
-    straight into the If's (so into that buffer) as they are produced, and it may run a node as soon as its inputs
-    exist: a reader that is not an ancestor may read the new value."""
-    producers = {out: node for node in nodes for out in node.output}
-
-    def ancestors(node: onnx.NodeProto) -> set[int]:
-        seen, stack = set(), [node]
-        while stack:
-            for name in _reads(stack.pop()):
-                parent = producers.get(name)
-                if parent is not None and id(parent) not in seen:
-                    seen.add(id(parent))
-                    stack.append(parent)
-        return seen
-
-    # the outputs: the attention, then the state in order
-    outputs = dict(zip(cf.state_names(compression), output_names[1:], strict=True))
-    live = set().union(*(ancestors(producers[name]) | {id(producers[name])} for name in output_names))
-    for state, output in outputs.items():
-        writer = producers[output]
-        before = ancestors(writer)
-        # a node whose result nothing uses may read whenever (the decode branch's key positions, for a policy that
-        # ignores them)
-        late = [
-            node.op_type
-            for node in nodes
-            if state in _reads(node) and id(node) in live and node is not writer and id(node) not in before
-        ]
-        assert not late, f"{state} is read by {late} that may run after {state}_out is written"
-
-
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype,policy", [("int8", "snapkv"), ("int4", "adaptive"), ("fp32", "tova"), ("fp8", "h2o")])
 def test_every_state_read_comes_before_its_write(dtype, policy, fused):
     """What makes running the state in place correct (backend_ort binds each state output to its input's buffer),
     checked on the graph rather than on what one ONNX Runtime happened to schedule: in the decode and the general
     branch, every node that reads a state input — the fused path's check that a chunk extends the slots, the
-    pruning's look at the evicted positions — is an ancestor of the scatter that writes it."""
+    pruning's look at the evicted positions — is an ancestor of the scatter that writes it. (The two-pool body:
+    tests/kvcache/test_mixed.py, the same check.)"""
     compression = Compression(capacity=16, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
     function = cf.make_function(compression, 23, cf.Heads(6, 3, 32), fused_attention=fused)
     (branch_node,) = [node for node in function.node if node.op_type == "If"]
     for attribute in branch_node.attribute:
-        _assert_reads_before_writes(attribute.g.node, [value.name for value in attribute.g.output], compression)
+        assert_state_read_before_written(attribute.g.node, [value.name for value in attribute.g.output], compression)
     # the general body alone, every slot attended (TensorRT-RTX targets: no If)
     every_slot = cf.make_function(compression, 23, cf.Heads(6, 3, 32), data_dependent_shapes=False)
-    _assert_reads_before_writes(every_slot.node, list(every_slot.output), compression)
-
-
-@pytest.mark.parametrize("policy", ["snapkv", "adaptive"])
-def test_every_state_read_comes_before_its_write_with_two_pools(policy):
-    """The same for the mixed-precision body (a wide pool beside the narrow one: twelve state tensors)."""
-    compression = Compression(capacity=20, sink=2, window=4, policy=policy, dtype="int4", mixed="int8", group=8)
-    function = cf.make_function(compression, 23, cf.Heads(6, 3, 32), fused_attention=True)
-    (branch_node,) = [node for node in function.node if node.op_type == "If"]
-    for attribute in branch_node.attribute:
-        _assert_reads_before_writes(attribute.g.node, [value.name for value in attribute.g.output], compression)
+    assert_state_read_before_written(every_slot.node, list(every_slot.output), compression)
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "adaptive"])
@@ -491,4 +428,4 @@ def test_every_state_read_comes_before_its_write_around_the_plugin(policy):
     function = make_plugin_function(compression, 23, cf.Heads(6, 3, 32))
     (branch_node,) = [node for node in function.node if node.op_type == "If"]
     for attribute in branch_node.attribute:
-        _assert_reads_before_writes(attribute.g.node, [value.name for value in attribute.g.output], compression)
+        assert_state_read_before_written(attribute.g.node, [value.name for value in attribute.g.output], compression)

@@ -18,6 +18,7 @@ from edgec.kvcache import reference
 from edgec.kvcache.compression import Compression
 from edgec.kvcache.policies import POLICIES
 from edgec.kvcache.quantize import dequantize, quantize
+from tests.kvcache.helpers import assert_state_read_before_written
 
 # a prompt chunk larger than the wide pool and the room left, one-token steps that demote and evict, more chunks
 STEPS = [(0, 7), (7, 1), (8, 1), (9, 5), (14, 1), (15, 1), (16, 8), (24, 1), (25, 1), (26, 12), (38, 1), (39, 1)]
@@ -226,21 +227,6 @@ def test_rotated_body_matches_reference(policy):
     _run(sess, compression, shape, STEPS, seed=7, in_place=True, protect_at=[10], grid=GRID)
 
 
-def _ancestors(nodes: list[onnx.NodeProto], node_index: int) -> set[int]:
-    producers = {output: i for i, node in enumerate(nodes) for output in node.output}
-    seen, stack = set(), [node_index]
-    while stack:
-        for name in nodes[stack.pop()].input:
-            if name in producers and producers[name] not in seen:
-                seen.add(producers[name])
-                stack.append(producers[name])
-    return seen
-
-
-# ops that ONNX Runtime may run on their input's buffer (a view): reading their output reads the state
-ALIASING = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
-
-
 @pytest.mark.parametrize(
     "policy", ["adaptive", pytest.param("snapkv", marks=SLOW), pytest.param("streaming", marks=SLOW)]
 )
@@ -257,31 +243,7 @@ def test_every_state_input_is_read_before_its_output_is_written(policy):
     outer_readers = [node.op_type for node in function.node if set(node.input) & set(names)]
     assert outer_readers == [], outer_readers  # the state is read inside the branches only
     for attribute in branching.attribute:
-        nodes = list(attribute.g.node)
-        producers = {output: i for i, node in enumerate(nodes) for output in node.output}
-        results = [value.name for value in attribute.g.output]
-        for name in names:
-            writer = producers[results[cf.outputs(compression).index(f"{name}_out")]]
-            while nodes[writer].op_type == "Identity":
-                writer = producers[nodes[writer].input[0]]
-            assert nodes[writer].op_type in ("ScatterElements", "Where"), (name, nodes[writer].op_type)
-            before = _ancestors(nodes, writer)
-            late = [nodes[i].op_type for i in _readers(nodes, name) if i != writer and i not in before]
-            assert not late, f"{attribute.name}: {name} is read after its output is written, by {late}"
-            assert _readers(nodes, name), name
-
-
-def _readers(nodes: list[onnx.NodeProto], name: str) -> set[int]:
-    """Nodes that read ``name`` directly or through a chain of view ops."""
-    found, names = set(), [name]
-    while names:
-        current = names.pop()
-        for i, node in enumerate(nodes):
-            if current in node.input:
-                found.add(i)
-                if node.op_type in ALIASING:
-                    names.extend(node.output)
-    return found
+        assert_state_read_before_written(attribute.g.node, [value.name for value in attribute.g.output], compression)
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o"])
