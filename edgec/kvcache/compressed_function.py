@@ -485,7 +485,9 @@ def _general(
                     "Slice", "position_ids", body.i64([-compression.observe]), body.i64([HUGE]), body.i64([1])
                 )
                 judged_rows = body.shape(judged_pos, 1)
-                judged = attend.probs(body, judged_q, judged_pos, judged_rows) if needs else None
+                # fp32 slots: sliced here, as _fused_output's branches do (ONNX Runtime warns on an outer Slice)
+                judging = attend.slicing(body, active) if compression.dtype == "fp32" else attend
+                judged = judging.probs(body, judged_q, judged_pos, judged_rows) if needs else None
                 result = updated_in(body, judged, judged_rows)
             else:
                 result = _unobserved(body, "score", new)

@@ -429,3 +429,17 @@ def test_every_state_read_comes_before_its_write_around_the_plugin(policy):
     (branch_node,) = [node for node in function.node if node.op_type == "If"]
     for attribute in branch_node.attribute:
         assert_state_read_before_written(attribute.g.node, [value.name for value in attribute.g.output], compression)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_onnx_runtime_loads_the_body_without_a_warning(dtype, policy, fused, capfd):
+    """ONNX Runtime's optimizer warns (on stderr, on every load) when a subgraph reads a Slice's output from the
+    outer scope (CanUpdateImplicitInputNameInSubgraphs): the If branches slice fp32 slots themselves. A warning
+    here is a warning every `edgec run` and `edgec serve` prints, and it breaks their one-line errors."""
+    compression = Compression(capacity=12, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
+    model = compressed_model(4, 2, 16, 12, compression, scale=0.25, fused=fused)
+    capfd.readouterr()
+    _session(model)
+    assert "onnxruntime" not in capfd.readouterr().err
