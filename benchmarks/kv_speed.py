@@ -15,7 +15,9 @@ then 1024 slots per head are kept) and snapkv. onnxruntime-genai pre-allocates i
 Results: benchmarks/out/kv_speed.json / kv_speed.png (kv_speed-subset.* with --runtimes); the printed table goes
 into docs/BENCHMARKS.md. Quick checks: ``--runtimes "edgec int4, 1024 int8 slots;onnxruntime-genai int4" --rss none
 --prompt 2000``. ``--runtimes`` may also name "edgec int4 one row of int8 activations, 1024 int8 slots": the
-same cache with ``--no-split-activations`` (onnxruntime-genai int4's own arithmetic, not the exact default).
+same cache with ``--no-split-activations`` (onnxruntime-genai int4's own arithmetic, not the exact default), and
+"edgec int4, 1024 int8 slots, chunk prefill": the same cache compressed between prompt chunks
+(``--prefill-compress chunk``: each chunk attends to the kept slots, not to the whole prompt before it).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ OUT = models.OUT
 CONTEXT = 8192
 COMPRESSED, PLAIN_INT4 = "edgec int4, 1024 int8 slots", "edgec int4, full fp32 cache"
 ONE_ROW = "edgec int4 one row of int8 activations, 1024 int8 slots"
+CHUNK = "edgec int4, 1024 int8 slots, chunk prefill"
 BUNDLES = {  # runner name → (bundle folder, extra edgec build options)
     "edgec fp32, full fp32 cache": ("kv/smollm2-plain.edgec", []),
     PLAIN_INT4: ("kv/smollm2-plain-int4.edgec", ["--weights", "int4"]),
@@ -51,14 +54,21 @@ BUNDLES = {  # runner name → (bundle folder, extra edgec build options)
         "kv/smollm2-speed-int4-int8-onerow.edgec",
         ["--weights", "int4", "--kv-capacity", "1024", "--kv-dtype", "int8", "--no-split-activations"],
     ),
+    # compressed between prompt chunks (--prefill-compress chunk): each chunk attends to the slots, not the whole
+    # prompt before it — less attention work, a different meaning than the default `end`; only with --runtimes
+    CHUNK: (
+        "kv/smollm2-speed-int4-int8-chunk.edgec",
+        ["--weights", "int4", "--kv-capacity", "1024", "--kv-dtype", "int8", "--prefill-compress", "chunk"],
+    ),
 }
+OPTIONAL = (ONE_ROW, CHUNK)  # run only when --runtimes names them
 GENAI_FP32, GENAI_INT4 = "onnxruntime-genai fp32", "onnxruntime-genai int4"
 GENAI = {GENAI_FP32: "genai-fp32", GENAI_INT4: "genai-int4"}
 
 
 def prepare(names: list[str] | None = None) -> None:
     """Build the bundles of ``names`` (default: all but the one-row variant) and the fp32 one (its tokenizer)."""
-    wanted = names or [name for name in BUNDLES if name != ONE_ROW]
+    wanted = names or [name for name in BUNDLES if name not in OPTIONAL]
     for name, (folder, options) in BUNDLES.items():
         if name not in wanted and name != "edgec fp32, full fp32 cache":
             continue
@@ -146,7 +156,7 @@ def main() -> None:
         measured.run(prompt_ids(args.prompt), args.new_tokens)
         print(measure.peak_rss_gb())
         return
-    names = [name for name in [*BUNDLES, *GENAI] if name != ONE_ROW or args.runtimes]  # the default: exact int4
+    names = [name for name in [*BUNDLES, *GENAI] if name not in OPTIONAL or args.runtimes]  # default: exact, end
     if args.runtimes:
         unknown = set(args.runtimes.split(";")) - set(names)
         if unknown:

@@ -1,0 +1,95 @@
+"""How fast could any KV cache make edgec's decode, against onnxruntime-genai int4 at a long prompt? One run:
+
+    python benchmarks/decode_ceiling.py [--prompt 8000] [--threads 1,2] [--rounds 2]
+
+For each thread count, round by round in one process: onnxruntime-genai int4 decoding after the long prompt (its
+step reads the whole fp32 cache), edgec's compressed int4 bundle after the same prompt (1024 int8 slots, the
+default exact int4 weights: benchmarks/kv_speed.py's bundle), and edgec's plain int4 bundle after a 64-token prompt
+— the **floor**: the same weights and graph around attention, with a cache too short to cost anything. A cache that
+cost nothing at all would decode at the floor's speed, so ``genai step / floor step`` is the most any cache design
+can give over genai int4 at this prompt, and ``compressed step - floor step`` is what edgec's cache costs now.
+
+Results: benchmarks/out/decode_ceiling.json; the printed table goes into docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kv_speed  # noqa: E402
+
+FLOOR_PROMPT = 64
+
+
+def step_ms(runner, ids: list[int], new_tokens: int) -> float:
+    _, tokens_per_second = runner.run(ids, new_tokens)
+    return 1000.0 / tokens_per_second
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", type=int, default=8000)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    names = [kv_speed.GENAI_INT4, kv_speed.COMPRESSED, kv_speed.PLAIN_INT4]
+    kv_speed.prepare(names)
+    ids = kv_speed.prompt_ids(args.prompt)
+    rows = {}
+    for threads in thread_counts:
+        runners = {name: kv_speed.runner(name, threads) for name in names}
+        for runner in runners.values():  # warm-up
+            runner.run(ids[:256], 4)
+        steps: dict[str, list[float]] = {"genai": [], "compressed": [], "floor": []}
+        for round_index in range(args.rounds):
+            steps["genai"].append(step_ms(runners[kv_speed.GENAI_INT4], ids, args.new_tokens))
+            steps["compressed"].append(step_ms(runners[kv_speed.COMPRESSED], ids, args.new_tokens))
+            steps["floor"].append(step_ms(runners[kv_speed.PLAIN_INT4], ids[:FLOOR_PROMPT], args.new_tokens))
+            latest = ", ".join(f"{name} {values[-1]:.1f} ms" for name, values in steps.items())
+            print(f"{threads} thread(s), round {round_index}: {latest}", flush=True)
+        del runners
+        paired = list(zip(steps["genai"], steps["compressed"], steps["floor"], strict=True))
+        rows[threads] = {
+            "steps_ms": {name: [round(s, 2) for s in values] for name, values in steps.items()},
+            "genai_int4_ms": float(np.median(steps["genai"])),
+            "compressed_ms": float(np.median(steps["compressed"])),
+            "floor_ms": float(np.median(steps["floor"])),
+            "compressed_vs_genai_int4": float(np.median([g / c for g, c, _ in paired])),
+            "ceiling_vs_genai_int4": float(np.median([g / f for g, _, f in paired])),
+            "cache_cost_ms": float(np.median([c - f for _, c, f in paired])),
+        }
+    results = {
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
+        "prompt": args.prompt,
+        "floor_prompt": FLOOR_PROMPT,
+        "rows": rows,
+    }
+    (kv_speed.OUT / "decode_ceiling.json").write_text(json.dumps(results, indent=2))
+    print(
+        f"| threads | genai int4 step, prompt {args.prompt} | edgec compressed step | edgec floor step "
+        f"(prompt {FLOOR_PROMPT}) | compressed vs genai int4 | **ceiling vs genai int4** | cache's cost now |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for threads, row in rows.items():
+        print(
+            f"| {threads} | {row['genai_int4_ms']:.1f} ms | {row['compressed_ms']:.1f} ms | {row['floor_ms']:.1f} ms | "
+            f"{row['compressed_vs_genai_int4']:.2f}× | **{row['ceiling_vs_genai_int4']:.2f}×** | "
+            f"{row['cache_cost_ms']:.1f} ms |"
+        )
+
+
+if __name__ == "__main__":
+    main()
