@@ -9,7 +9,8 @@ default exact int4 weights: benchmarks/kv_speed.py's bundle), and edgec's plain 
 cost nothing at all would decode at the floor's speed, so ``genai step / floor step`` is the most any cache design
 can give over genai int4 at this prompt, and ``compressed step - floor step`` is what edgec's cache costs now.
 
-Results: benchmarks/out/decode_ceiling.json; the printed table goes into docs/BENCHMARKS.md.
+Results: benchmarks/out/decode_ceiling.json and .png (``--plot-only`` redraws the plot from the json); the printed
+table goes into docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_speed  # noqa: E402
 
 FLOOR_PROMPT = 64
+RESULTS = kv_speed.OUT / "decode_ceiling.json"
 
 
 def step_ms(runner, ids: list[int], new_tokens: int) -> float:
@@ -41,7 +43,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from the saved results")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(RESULTS.read_text()), RESULTS.with_suffix(".png"))
+        return
     thread_counts = [int(t) for t in args.threads.split(",")]
     names = [kv_speed.GENAI_INT4, kv_speed.COMPRESSED, kv_speed.PLAIN_INT4]
     kv_speed.prepare(names)
@@ -77,7 +83,8 @@ def main() -> None:
         "floor_prompt": FLOOR_PROMPT,
         "rows": rows,
     }
-    (kv_speed.OUT / "decode_ceiling.json").write_text(json.dumps(results, indent=2))
+    RESULTS.write_text(json.dumps(results, indent=2))
+    plot(results, RESULTS.with_suffix(".png"))
     print(
         f"| threads | genai int4 step, prompt {args.prompt} | edgec compressed step | edgec floor step "
         f"(prompt {FLOOR_PROMPT}) | compressed vs genai int4 | **ceiling vs genai int4** | cache's cost now |"
@@ -89,6 +96,40 @@ def main() -> None:
             f"{row['compressed_vs_genai_int4']:.2f}× | **{row['ceiling_vs_genai_int4']:.2f}×** | "
             f"{row['cache_cost_ms']:.1f} ms |"
         )
+
+
+def plot(results: dict, path: Path) -> None:
+    """Per thread count: the three steps as bars, the ceiling and the achieved ratio written on them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    kinds = [
+        ("genai_int4_ms", f"onnxruntime-genai int4, prompt {results['prompt']}"),
+        ("compressed_ms", f"edgec int4 + 1024 int8 slots, prompt {results['prompt']}"),
+        ("floor_ms", f"edgec int4, prompt {results['floor_prompt']} (no cache cost: the floor)"),
+    ]
+    figure, axis = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(kinds)
+    for index, (key, label) in enumerate(kinds):
+        positions = [t + (index - 1) * width for t in range(len(rows))]
+        axis.bar(positions, [row[key] for row in rows.values()], width, label=label, color=f"C{index}")
+    for t, row in enumerate(rows.values()):
+        note = f"now {row['compressed_vs_genai_int4']:.2f}×, ceiling {row['ceiling_vs_genai_int4']:.2f}×"
+        axis.annotate(
+            note, (t, row["genai_int4_ms"]), ha="center", va="bottom", xytext=(0, 4), textcoords="offset points"
+        )
+    axis.set_xticks(range(len(rows)), [f"{t} thread{'s' if int(t) > 1 else ''}" for t in rows])
+    axis.set_ylabel("ms per decode step (lower is better)")
+    axis.legend(loc="upper right", fontsize=8)
+    axis.set_ylim(0, max(row["genai_int4_ms"] for row in rows.values()) * 1.35)
+    axis.set_title(
+        f"Decode vs onnxruntime-genai int4: the most a KV cache can give ({results['machine']}, {results['date']})"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
