@@ -388,15 +388,22 @@ def open_backend(
     threads: int | None = None,
     exact: bool = True,
     spin: bool | None = None,
+    prompt_threads: int | None = None,
+    prompt_spin: bool | None = None,
 ) -> OrtBackend | StaticOrtBackend:
     """The backend for a bundle's ``model`` section (its manifest entry): one dynamic graph, or two static ones.
-    ``exact``: the spec names every state tensor the graph has (format v2); False narrows it to the graph's."""
+    ``exact``: the spec names every state tensor the graph has (format v2); False narrows it to the graph's.
+    ``prompt_threads`` / ``prompt_spin``: the prompt-chunk graph's own setting (``prefill_file``), where it has
+    one; by default the decode graph's."""
     vocab = int(model["vocab_size"])
     first = OrtGraph(folder / model["file"], spec, providers, threads, provider_options, exact, spin)
     if "decode_file" not in model:
         prefill = None
         if "prefill_file" in model:
-            prefill = OrtGraph(folder / model["prefill_file"], spec, providers, threads, provider_options, exact, spin)
+            chunk_threads, chunk_spin = (prompt_threads, prompt_spin) if prompt_threads else (threads, spin)
+            prefill = OrtGraph(
+                folder / model["prefill_file"], spec, providers, chunk_threads, provider_options, exact, chunk_spin
+            )
         return OrtBackend(first, vocab, prefill_chunk, prefill)
     decode = OrtGraph(folder / model["decode_file"], spec, providers, threads, provider_options, exact, spin)
     return StaticOrtBackend(first, decode, vocab, int(model["static_tokens"]))

@@ -8,6 +8,9 @@ thousands of small nodes, and more threads than a model's products can use only 
 prompt, and keeps the fastest. The result is stored in the user's cache (``$EDGEC_CACHE_DIR``, default
 ``~/.cache/edgec``, ``calibration/``), keyed by the bundle's manifest (which hashes every file) and the machine
 (CPU model, usable cores, ONNX Runtime version), since a bundle folder may be read-only or shared between machines.
+The setting is for decode steps: a bundle with its own prompt-chunk graph reads prompts on every usable core
+(``Model.load``), since a prompt chunk's products are large enough to use them — a calibration that picked 1 thread
+for decode would otherwise read an 8K prompt ~1.8× slower on 2 cores.
 
 ``Model.load`` uses a stored calibration when the caller names no thread count (and, for a named thread count, the
 measured spinning choice at that count); ``Model.load(calibrate=True)`` — what ``edgec run``, ``chat`` and ``serve``

@@ -85,6 +85,8 @@ class Model:
         prefill_compress: str | None = None,
         providers: list[str] | None = None,
         spin: bool | None = None,
+        prompt_threads: int | None = None,
+        prompt_spin: bool | None = None,
         **recall: int | None,
     ) -> None:
         self.path = path
@@ -103,7 +105,9 @@ class Model:
             ChatFormat.from_json(chat) if chat else None,
             manifest["tokenizer"].get("chat_note", ""),
         )
-        self._backend = _backend(path, manifest, self.cache_spec, self.vocab_size, threads, providers, spin)
+        self._backend = _backend(
+            path, manifest, self.cache_spec, self.vocab_size, threads, providers, spin, prompt_threads, prompt_spin
+        )
         self.threads, self.spin = threads, spin  # as asked or calibrated (None: ONNX Runtime's default / the load rule)
         self.cache_spec = self._backend.spec  # a format-v1 bundle's spec, narrowed to what its graph carries
         # one cache state per running generation; idle ones are kept for the next (their buffers are reused)
@@ -217,18 +221,25 @@ class Model:
         change the hierarchical cache's settings of a bundle built with ``--kv-recall`` (docs/kv-cache.md).
         Threads and spinning (ONNX Runtime bundles): ``threads`` and ``spin`` as given; what is not given comes
         from this bundle's calibration on this machine when one is stored (``calibrate=True`` measures it first
-        when none is: a few seconds, once; ``edgec.runtime.calibration``), else ONNX Runtime's thread default
-        and spinning chosen from the machine's load."""
+        when none is: a few seconds, once; ``edgec.runtime.calibration``), else ONNX Runtime's thread default and
+        spinning chosen from the machine's load. The calibration times decode steps; a bundle with its own
+        prompt-chunk graph (``prefill.onnx``) then reads prompts on every usable core (its products are large
+        enough to use them) unless ``threads`` is named, which both graphs use."""
         path = Path(path)
         manifest = open_bundle(path, check_hashes=check_hashes, trust=trust)
         recall = dict(kv_recall=kv_recall, kv_recall_block=kv_recall_block, kv_recall_every=kv_recall_every)
+        prompt: dict[str, Any] = {}
         if threads is None or spin is None:
             from edgec.runtime import calibration
 
             if calibration.runs_on_cpu(manifest, providers):
+                named_threads, named_spin = threads, spin
                 threads, spin = calibration.resolve(path, threads, spin, calibrate)
+                if named_threads is None and threads is not None and "prefill_file" in manifest["model"]:
+                    # the calibration measured decode; prompt chunks are large products that use every core
+                    prompt = {"prompt_threads": calibration.usable_cpus(), "prompt_spin": named_spin}
         try:
-            return cls(path, manifest, threads, kv_capacity, prefill_compress, providers, spin, **recall)
+            return cls(path, manifest, threads, kv_capacity, prefill_compress, providers, spin, **prompt, **recall)
         except MemoryError:
             raise BundleError(f"{path} needs more memory than this machine can give (its cache or logits)") from None
         except Exception as error:  # ONNX Runtime's own exception types (InvalidGraph, Fail, ...) are not ours
@@ -658,6 +669,8 @@ def _backend(
     threads: int | None,
     providers: list[str] | None = None,
     spin: bool | None = None,
+    prompt_threads: int | None = None,
+    prompt_spin: bool | None = None,
 ) -> Backend:
     """The backend the manifest names; a missing library or provider is an error naming the extra — never a
     silent fallback to another device. ``providers`` (an explicit override) replaces the manifest's."""
@@ -700,6 +713,8 @@ def _backend(
         threads,
         exact,
         spin,
+        prompt_threads,
+        prompt_spin,
     )
 
 

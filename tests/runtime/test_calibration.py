@@ -200,3 +200,35 @@ def test_a_measurement_that_fails_does_not_stop_the_load(tiny_bundle, monkeypatc
     assert resolve(tiny_bundle, None, None, calibrate_missing=True) == (None, None)
     assert Model.load(tiny_bundle, calibrate=True).threads is None
     assert stored_calibration(tiny_bundle) is None
+
+
+@pytest.fixture(scope="module")
+def split_bundle(tmp_path_factory, tiny_tokenizer):
+    """An int4 bundle from a GGUF: decode on model.onnx, prompt chunks on their own graph (prefill.onnx)."""
+    pytest.importorskip("gguf")
+    from edgec.build import BuildSettings, build
+    from tests.tiny_gguf import write_tiny_llama_gguf
+
+    gguf_file = write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", tiny_tokenizer)
+    out = tmp_path_factory.mktemp("bundles") / "split.edgec"
+    build(gguf_file, out, BuildSettings(context=128, prefill_chunk=32, weights="int4"))
+    return out
+
+
+def test_a_calibrated_load_reads_prompts_on_every_core(split_bundle):
+    """The calibration's setting is for decode steps; the prompt-chunk graph's large products get every usable core
+    (4 here) — unless the caller names a thread count, which both graphs then use."""
+    measure, _ = fake_times(TABLE | {Setting(1, False): 10.0})  # 1 thread decodes fastest
+    calibrate(split_bundle, measure=measure)
+    model = Model.load(split_bundle)
+    backend = model._backend
+    assert backend.prefill is not None
+    decode = backend.graph.session.get_session_options()
+    prompt = backend.prefill.session.get_session_options()
+    assert (model.threads, decode.intra_op_num_threads) == (1, 1)
+    assert prompt.intra_op_num_threads == 4
+    named = Model.load(split_bundle, threads=2)._backend
+    assert named.graph.session.get_session_options().intra_op_num_threads == 2
+    assert named.prefill.session.get_session_options().intra_op_num_threads == 2
+    ids = model.tokenizer.encode("Hello there, a prompt of a few chunks " * 4)
+    assert len(ids) > 32 and len(list(model.generate_ids(ids, max_new_tokens=3))) == 3  # chunks, then decode steps
