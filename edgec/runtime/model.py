@@ -235,9 +235,15 @@ class Model:
             if calibration.runs_on_cpu(manifest, providers):
                 named_threads, named_spin = threads, spin
                 threads, spin = calibration.resolve(path, threads, spin, calibrate)
-                if named_threads is None and threads is not None and "prefill_file" in manifest["model"]:
+                cores = calibration.usable_cpus()
+                if (
+                    named_threads is None
+                    and threads is not None
+                    and threads < cores
+                    and "prefill_file" in manifest["model"]
+                ):
                     # the calibration measured decode; prompt chunks are large products that use every core
-                    prompt = {"prompt_threads": calibration.usable_cpus(), "prompt_spin": named_spin}
+                    prompt = {"prompt_threads": cores, "prompt_spin": named_spin}
         try:
             return cls(path, manifest, threads, kv_capacity, prefill_compress, providers, spin, **prompt, **recall)
         except MemoryError:

@@ -232,3 +232,10 @@ def test_a_calibrated_load_reads_prompts_on_every_core(split_bundle):
     assert named.prefill.session.get_session_options().intra_op_num_threads == 2
     ids = model.tokenizer.encode("Hello there, a prompt of a few chunks " * 4)
     assert len(ids) > 32 and len(list(model.generate_ids(ids, max_new_tokens=3))) == 3  # chunks, then decode steps
+    # a calibration that already uses every core: both sessions as measured (its spinning choice included)
+    calibrate(split_bundle, measure=fake_times(TABLE)[0])  # fastest: 4 threads, not spinning
+    both = Model.load(split_bundle)._backend
+    for session in (both.graph.session, both.prefill.session):
+        options = session.get_session_options()
+        assert options.intra_op_num_threads == 4
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
