@@ -442,7 +442,9 @@ def _general(
     key_pos = b.op("Concat", "pos", new_pos, axis=2)  # [B,Hkv,C+T]: every candidate
     attended_pos = b.op("Concat", active_slots("pos"), new_pos, axis=2)  # [B,Hkv,active+T]
     group_size = b.op("Div", heads, kv_heads)
-    attend = _Attend(old_k, old_v, attended_pos, rows_shape, group_size, scale_attr, window_attr)
+    # fp32 slots are plain slices of the state: a branch re-slices them (_Attend.in_branch)
+    sliced = active if compression.dtype == "fp32" and not every_slot else None
+    attend = _Attend(old_k, old_v, attended_pos, rows_shape, group_size, scale_attr, window_attr, sliced)
     needs = prompt_needs(policy) if fused is not None and not every_slot else policy.needs
     observing = _observing(b, new)
 
@@ -474,7 +476,7 @@ def _general(
         # the probabilities are computed for the output anyway: the unobserved case is a choice, not a saving
         updated = b.op("Where", observing, updated_in(b, probs, new), _unobserved(b, "score", new))
     else:
-        out = _fused_output(b, attend, filled, active, new, window_attr, fused, compression.dtype == "fp32")
+        out = _fused_output(b, attend, filled, active, new, window_attr, fused)
         # the policy reads the last `observe` queries only: their rows alone, and only when the call observes
         branches = {}
         for kind in ("observed", "unobserved"):
@@ -485,9 +487,7 @@ def _general(
                     "Slice", "position_ids", body.i64([-compression.observe]), body.i64([HUGE]), body.i64([1])
                 )
                 judged_rows = body.shape(judged_pos, 1)
-                # fp32 slots: sliced here, as _fused_output's branches do (ONNX Runtime warns on an outer Slice)
-                judging = attend.slicing(body, active) if compression.dtype == "fp32" else attend
-                judged = judging.probs(body, judged_q, judged_pos, judged_rows) if needs else None
+                judged = attend.in_branch(body).probs(body, judged_q, judged_pos, judged_rows) if needs else None
                 result = updated_in(body, judged, judged_rows)
             else:
                 result = _unobserved(body, "score", new)
@@ -573,6 +573,7 @@ class _Attend:
     group_size: str  # [1]: query heads per KV head
     scale: str
     window: str
+    sliced_to: str | None = None  # [1] active, where old_k/old_v are Slices of the fp32 state up to it
 
     def probs(self, b: Body, q: str, positions: str, rows: str) -> str:
         """Probabilities [B,Hkv,G·n,active+T] of queries q [B,H,n,D] at positions [B,n] (n = ``rows``), masked
@@ -595,10 +596,13 @@ class _Attend:
         valid = b.op("And", b.op("GreaterOrEqual", keys, lowest), b.op("LessOrEqual", keys, query_pos))
         return b.op("Softmax", b.op("Where", valid, scores, b.f32(float("-inf"))), axis=-1)
 
-    def slicing(self, b: Body, active: str) -> _Attend:
-        """The same, with fp32 slots sliced from the state inside ``b`` (an If branch)."""
-        old_k, old_v = (b.op("Slice", name, b.i64([0]), active, b.i64([2])) for name in ("k_cache", "v_cache"))
-        return replace(self, old_k=old_k, old_v=old_v)
+    def in_branch(self, b: Body) -> _Attend:
+        """The same attention for use inside ``b``, an If branch: fp32 slots sliced from the state there, since
+        ONNX Runtime's optimizer warns on every load when a subgraph reads an outer Slice's output."""
+        if self.sliced_to is None:
+            return self
+        slices = (b.op("Slice", name, b.i64([0]), self.sliced_to, b.i64([2])) for name in ("k_cache", "v_cache"))
+        return replace(self, old_k=next(slices), old_v=next(slices))
 
     def output(self, b: Body, probs: str, active: str) -> str:
         """The attention output [B,T,H,D] from every query's probabilities."""
@@ -625,18 +629,11 @@ def _extends(b: Body, filled: str, active: str, window_attr: str) -> str:
     return b.op("And", b.op("And", no_holes, after), b.op("And", increasing, no_window))
 
 
-def _fused_output(
-    b: Body, attend: _Attend, filled: str, active: str, new: str, window_attr: str, heads: Heads, float_slots: bool
-) -> str:
+def _fused_output(b: Body, attend: _Attend, filled: str, active: str, new: str, window_attr: str, heads: Heads) -> str:
     """The attention output [B,T,H,D]: GroupQueryAttention over a past of the active slots when the call extends
-    them (no score matrix is materialized; ONNX Runtime's kernel), else every query's probabilities.
-    ``float_slots`` (fp32 storage): the branch slices the state itself (ONNX Runtime's optimizer warns when it
-    cannot rename a Slice it reads from the outer scope)."""
+    them (no score matrix is materialized; ONNX Runtime's kernel), else every query's probabilities."""
     fast, full = Body(prefix=f"{b.prefix}gqa_"), Body(prefix=f"{b.prefix}full_")
-    if float_slots:
-        attend_fast, attend_full = (attend.slicing(branch, active) for branch in (fast, full))
-    else:
-        attend_fast = attend_full = attend
+    attend_fast, attend_full = attend.in_branch(fast), attend.in_branch(full)
     query = fast.op("Reshape", fast.op("Transpose", "q", perm=[0, 2, 1, 3]), fast.i64([0, 0, heads.query * heads.dim]))
     kv_width = fast.i64([0, 0, heads.kv * heads.dim])
     key = fast.op("Reshape", fast.op("Transpose", "k", perm=[0, 2, 1, 3]), kv_width)
