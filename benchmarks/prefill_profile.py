@@ -1,13 +1,16 @@
 """Where a long prompt's time goes, by ONNX Runtime op type: the plain int4 bundle and the compressed one (1024 int8
-slots, ``end``) of benchmarks/kv_speed.py, one after the other in one process, ONNX Runtime's profiler on.
+slots, ``end``) of benchmarks/kv_speed.py, and with ``--genai`` onnxruntime-genai fp32 (kv_speed's peer), one after
+the other in one process, ONNX Runtime's profiler on.
 
-    python benchmarks/prefill_profile.py [--prompt 4000] [--threads 1]
+    python benchmarks/prefill_profile.py [--prompt 4000] [--threads 1] [--genai]
 
-Prints each bundle's prefill seconds (with the profiler's own overhead), kernel seconds per op type (an ``If``
+Prints each runtime's prefill seconds (with the profiler's own overhead), kernel seconds per op type (an ``If``
 counts its branches' nodes too, which are also listed by type), how many GroupQueryAttention calls ran against
-the number of layers × chunks (fewer: some chunk took the materialized fallback), and the compressed / plain
-ratio; results: benchmarks/out/prefill_profile.json. Not a speed claim (the profiler slows small nodes); a map of
-where the compressed prefill's extra goes.
+the number of layers × chunks (fewer: some chunk took the materialized fallback), the compressed / plain ratio,
+and the same kernels grouped: attention (GroupQueryAttention), weight products (MatMulNBits; MatMul and Add
+outside the cache op: edgec's Q4_1 offsets, genai's fp32 weights), and the rest (norms, the cache op's own
+work). Results: benchmarks/out/prefill_profile.json. Not a speed claim (the profiler slows small nodes); a map of
+where the compressed prefill's extra goes, and of whether genai's kernels do the same work faster.
 """
 
 from __future__ import annotations
@@ -69,10 +72,58 @@ def profile(name: str, ids: list[int], threads: int, folder: Path) -> dict:
     }
 
 
+def profile_genai(ids: list[int], threads: int, folder: Path) -> dict:
+    """onnxruntime-genai fp32 reading the same prompt (one call: genai feeds a prompt whole), profiled through its
+    config's session options on a copy of the config (the weights are linked, not copied)."""
+    import onnxruntime_genai as og
+
+    from edgec.bench import time_genai
+
+    source, model_folder = kv_speed.OUT / kv_speed.GENAI[kv_speed.GENAI_FP32], folder / "genai-fp32"
+    model_folder.mkdir()
+    for path in source.iterdir():
+        if path.name != "genai_config.json":
+            (model_folder / path.name).symlink_to(path.resolve())
+    config = json.loads((source / "genai_config.json").read_text())
+    options = config["model"]["decoder"]["session_options"]
+    options |= {"intra_op_num_threads": threads, "enable_profiling": str(folder / "genai")}
+    (model_folder / "genai_config.json").write_text(json.dumps(config))
+    model = og.Model(str(model_folder))
+    seconds, _, _ = time_genai(og, model, ids, 1)
+    del model  # the profile is written when the session closes
+    events = json.loads(next(folder.glob("genai*.json")).read_text())
+    prompt = next(e for e in events if e.get("cat") == "Session" and e["name"] == "model_run")
+    per_op, calls = collections.defaultdict(float), collections.Counter()
+    for event in events:
+        inside = prompt["ts"] <= event.get("ts", -1) <= prompt["ts"] + prompt["dur"]
+        if inside and event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            per_op[event["args"]["op_name"]] += event["dur"] / 1e6
+            calls[event["args"]["op_name"]] += 1
+    return {
+        "prefill_seconds": seconds,
+        "kernel_seconds": dict(sorted(per_op.items(), key=lambda item: -item[1])),
+        "calls": dict(calls),
+        "attention_calls_expected": calls.get("GroupQueryAttention", 0),
+    }
+
+
+def grouped(kernel_seconds: dict[str, float]) -> dict[str, float]:
+    """Attention, weight products, the rest (an ``If`` is left out: its nodes are counted by their own types)."""
+    products = ("MatMulNBits", "MatMul", "Add")
+    groups = {"attention": 0.0, "weight products": 0.0, "rest": 0.0}
+    for op, seconds in kernel_seconds.items():
+        if op == "If":
+            continue
+        key = "attention" if op == "GroupQueryAttention" else "weight products" if op in products else "rest"
+        groups[key] += seconds
+    return groups
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=4000)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--genai", action="store_true", help="also profile onnxruntime-genai fp32")
     args = parser.parse_args()
     kv_speed.prepare([*BUNDLES])
     ids = kv_speed.prompt_ids(args.prompt)
@@ -80,12 +131,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for name in BUNDLES:
             results[name] = profile(name, ids, args.threads, Path(folder))
+        if args.genai:
+            results[kv_speed.GENAI_FP32] = profile_genai(ids, args.threads, Path(folder))
     for name, result in results.items():
+        result["grouped_seconds"] = grouped(result["kernel_seconds"])
         gqa = result["calls"].get("GroupQueryAttention", 0)
         print(f"{name}: prefill {result['prefill_seconds']:.1f} s; GroupQueryAttention ran {gqa} of "
               f"{result['attention_calls_expected']} layer-chunks")  # fmt: skip
         for op, seconds in list(result["kernel_seconds"].items())[:15]:
             print(f"  {seconds:8.3f} s  {result['calls'][op]:6d}  {op}")
+        groups = result["grouped_seconds"].items()
+        print("  grouped: " + ", ".join(f"{group} {seconds:.2f} s" for group, seconds in groups))
     plain, compressed = (results[name]["prefill_seconds"] for name in BUNDLES)
     print(f"compressed / plain prefill: {compressed / plain:.3f}")
     record = {
