@@ -1,0 +1,166 @@
+"""What the forms of an int4 product cost in ONNX Runtime, on random weights of SmolLM2-135M's shapes.
+
+    python benchmarks/product_forms.py [--threads 1] [--repeats 5]
+
+Two tables (docs/BENCHMARKS.md, issue 21's sixth round):
+
+- **Prompt rows** (one 576 → 3072 product, 512 / 1,024 / 2,048 rows, 20 copies in one graph): an fp32 MatMul
+  (onnxruntime-genai fp32's form); MatMulNBits at accuracy level 1 (fp32 activations: the exact prompt products of
+  edgec's ``prefill.onnx``); the same plus a Q4_1 GGUF's per-block minima as ``blocksum(x) @ offsets`` and an Add
+  (what edgec carries exactly); the minima as MatMulNBits' float zero points (``-m/d``). Each form's largest error
+  against a float64 product of the same weights is printed beside its time.
+- **Decode rows** (every product of one SmolLM2 step, 30 layers' qkv / o / gate-up / down with distinct weights
+  and the 8-bit tied lm_head, at accuracy level 4): one row of activations against two (the split activations of
+  the exact int4 import, which ONNX Runtime runs on its general path instead of its one-row kernel).
+
+Milliseconds per product (prompt) or per step's products (decode): the best of ``--repeats`` timed runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+BLOCK = 32
+PROMPT_K, PROMPT_N = 576, 3072
+DECODE_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30
+LM_HEAD = (576, 49152)
+
+
+def _session(nodes, inputs, outputs, initializers, threads: int):
+    import onnxruntime as ort
+    from onnx import helper
+
+    graph = helper.make_graph(nodes, "forms", inputs, outputs, initializers)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3  # unused initializers of the other forms are not news
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _best_ms(session, feeds: dict, repeats: int, per: int) -> float:
+    for _ in range(2):
+        session.run(None, feeds)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - start)
+    return 1000 * min(times) / per
+
+
+def _nbits(name: str, x: str, k: int, n: int, level: int, inputs: list[str], bits: int = 4):
+    from onnx import helper
+
+    attributes = {"K": k, "N": n, "bits": bits, "block_size": BLOCK, "accuracy_level": level}
+    return helper.make_node("MatMulNBits", [x, *inputs], [name], domain="com.microsoft", **attributes)
+
+
+def prompt_rows(rows: int, threads: int, repeats: int, copies: int = 20) -> dict[str, tuple[float, float]]:
+    """form → (ms per product, max |error| against float64) for one Q4_1-like weight."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    k, n, blocks = PROMPT_K, PROMPT_N, PROMPT_K // BLOCK
+    codes = rng.integers(0, 16, (n, blocks, BLOCK)).astype(np.uint8)
+    steps = (rng.random((n, blocks)) * 0.01 + 0.001).astype(np.float32)
+    minima = (-rng.random((n, blocks)) * 0.08).astype(np.float32)
+    weight = (steps[..., None] * codes + minima[..., None]).reshape(n, k).T.astype(np.float64)  # [K, N]
+    indicator = np.zeros((k, blocks), np.float32)
+    indicator[np.arange(k), np.arange(k) // BLOCK] = 1
+    tensors = {
+        "packed": (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8),
+        "steps": steps.reshape(-1),
+        "no_zero": np.zeros((n, (blocks + 1) // 2), np.uint8),
+        "float_zero": (-minima / steps).astype(np.float32).reshape(-1),
+        "indicator": indicator,
+        "offsets": np.ascontiguousarray(minima.T),
+        "weight": weight.astype(np.float32),
+    }
+    x = rng.standard_normal((1, rows, k)).astype(np.float32)
+    reference = x[0].astype(np.float64) @ weight
+    results = {}
+    for form in ("fp32 MatMul", "MatMulNBits level 1", "+ Q4_1 minima as offsets", "Q4_1 minima as float zero points"):
+        nodes = []
+        for copy in range(copies):
+            out = f"y{copy}"
+            if form == "fp32 MatMul":
+                nodes.append(helper.make_node("MatMul", ["x", "weight"], [out]))
+            elif form == "Q4_1 minima as float zero points":
+                nodes.append(_nbits(out, "x", k, n, 1, ["packed", "steps", "float_zero"]))
+            elif form == "MatMulNBits level 1":
+                nodes.append(_nbits(out, "x", k, n, 1, ["packed", "steps", "no_zero"]))
+            else:
+                nodes.append(_nbits(f"p{copy}", "x", k, n, 1, ["packed", "steps", "no_zero"]))
+                nodes.append(helper.make_node("MatMul", ["x", "indicator"], [f"s{copy}"]))
+                nodes.append(helper.make_node("MatMul", [f"s{copy}", "offsets"], [f"o{copy}"]))
+                nodes.append(helper.make_node("Add", [f"p{copy}", f"o{copy}"], [out]))
+        session = _session(
+            nodes,
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows, k])],
+            [helper.make_tensor_value_info(f"y{copy}", TensorProto.FLOAT, None) for copy in range(copies)],
+            [numpy_helper.from_array(value, name) for name, value in tensors.items()],
+            threads,
+        )
+        exact = form != "MatMulNBits level 1"  # that form leaves the minima out on purpose (its cost alone)
+        error = float(np.abs(session.run(["y0"], {"x": x})[0][0] - reference).max()) if exact else float("nan")
+        results[form] = (_best_ms(session, {"x": x}, repeats, copies), error)
+    return results
+
+
+def decode_rows(rows: int, threads: int, repeats: int) -> float:
+    """ms for every product of one SmolLM2 decode step at ``rows`` rows of activations (accuracy level 4)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes, initializers, outputs = [], [], []
+    for index, (k, n) in enumerate([*DECODE_SHAPES, LM_HEAD]):
+        bits = 8 if (k, n) == LM_HEAD else 4
+        blocks = k // BLOCK
+        names = [f"codes{index}", f"steps{index}"]
+        initializers += [
+            numpy_helper.from_array(rng.integers(0, 256, (n, blocks, BLOCK * bits // 8), dtype=np.uint8), names[0]),
+            numpy_helper.from_array((rng.random(n * blocks) * 0.01).astype(np.float32), names[1]),
+        ]
+        if bits == 4:
+            names.append(f"zero{index}")
+            zero = rng.integers(0, 256, (n, (blocks + 1) // 2), dtype=np.uint8)
+            initializers.append(numpy_helper.from_array(zero, names[2]))
+        outputs.append(f"y{index}")
+        nodes.append(_nbits(outputs[-1], f"x{k}", k, n, 4, names, bits))
+    widths = sorted({k for k, _ in DECODE_SHAPES})
+    session = _session(
+        nodes,
+        [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, rows, k]) for k in widths],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs],
+        initializers,
+        threads,
+    )
+    feeds = {f"x{k}": rng.standard_normal((1, rows, k)).astype(np.float32) for k in widths}
+    return _best_ms(session, feeds, repeats, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(f"prompt rows, one {PROMPT_K} → {PROMPT_N} product, {args.threads} thread(s): ms per product (max |error|)")
+    for rows in (512, 1024, 2048):
+        cells = [
+            f"{form} {ms:.2f} ({error:.1e})"
+            for form, (ms, error) in prompt_rows(rows, args.threads, args.repeats).items()
+        ]
+        print(f"  {rows:5d} rows: " + "; ".join(cells))
+    print(f"decode rows, one step's {len(DECODE_SHAPES) + 1} products, {args.threads} thread(s):")
+    for rows in (1, 2):
+        print(f"  {rows} row{'s' if rows > 1 else ''}: {decode_rows(rows, args.threads, args.repeats):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
