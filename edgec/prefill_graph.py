@@ -66,8 +66,11 @@ def _one_branch(path: Path, kind: str) -> bool:
 def _unsplit(node) -> bool:
     """MatMulNBits(split rows of x) → halves summed  ⇒  MatMulNBits(x) at fp32 activations. False if ``node`` is
     not that pattern (``_split_rows``: Reshape(Concat(high, Sub(blocks, high))), blocks = Reshape(x); the result
-    read by Reshape [0, 2, -1, N] and ReduceSum over axis 1)."""
+    read by Reshape [0, 2, -1, N] and ReduceSum over axis 1). 8-bit codes without zero points become their nibble
+    pair there (``_weights.at_fp32_activations``): ONNX Runtime's fp32 kernel for 8-bit weights is slow."""
     import onnx_ir as ir
+
+    from edgec.passes._weights import at_fp32_activations
 
     def producer(value, op_type):
         node = value.producer() if value is not None else None
@@ -83,11 +86,10 @@ def _unsplit(node) -> bool:
     total = pair_uses[0].node if len(pair_uses) == 1 and pair_uses[0].node.op_type == "ReduceSum" else None
     if blocks is None or total is None:
         return False
-    node.replace_input_with(0, blocks.inputs[0])
-    node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", 1)
-    summed, product = total.outputs[0], node.outputs[0]
+    graph = node.graph
+    product = at_fp32_activations(graph, node, blocks.inputs[0])
+    summed = total.outputs[0]
     if summed.is_graph_output():  # the logits: the product takes the output's place and name
-        graph = node.graph
         index = list(graph.outputs).index(summed)
         name, summed.name = summed.name, f"{summed.name}.split"
         product.name, product.type, product.shape = name, summed.type, summed.shape

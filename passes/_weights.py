@@ -350,13 +350,7 @@ def _nbits_product(
     ``split_activations`` (int8 activations only): x is computed as two rows, see ``_split_rows``."""
     k, n, bits, block_size = shape
     if bits == 8 and accuracy_level <= 1 and zero_points is None:
-        high, low, high_scales, low_zero = _nibbles(graph, tape, codes, scales, n, k // block_size)
-        attributes = _matmul_nbits_attributes(k, n, 4, block_size, accuracy_level)
-        parts = [
-            tape.op("MatMulNBits", [x, high, high_scales], attributes=attributes, domain="com.microsoft"),
-            tape.op("MatMulNBits", [x, low, scales, low_zero], attributes=attributes, domain="com.microsoft"),
-        ]
-        result = tape.op("Add", parts)
+        result = _nibble_pair(graph, tape, x, codes, scales, shape, accuracy_level)
     else:
         attributes = _matmul_nbits_attributes(k, n, bits, block_size, accuracy_level)
         split = split_activations and attributes["accuracy_level"] >= 2 and k % block_size == 0
@@ -377,6 +371,48 @@ def _nbits_product(
         sums = tape.op("MatMul", [x, _block_indicator(graph, k, block_size)])
         result = tape.op("Add", [result, tape.op("MatMul", [sums, offsets])])
     return result
+
+
+def _nibble_pair(
+    graph: ir.Graph,
+    tape: ir.tape.Tape,
+    x: ir.Value,
+    codes: ir.Value,
+    scales: ir.Value,
+    shape: tuple[int, int, int, int],
+    accuracy_level: int,
+) -> ir.Value:
+    """x @ W for 8-bit codes without zero points at fp32 activations: the two 4-bit products of the codes' nibbles,
+    summed (``_nibbles``) — the same product on ONNX Runtime's 4-bit fp32 kernel."""
+    k, n, _, block_size = shape
+    high, low, high_scales, low_zero = _nibbles(graph, tape, codes, scales, n, k // block_size)
+    attributes = _matmul_nbits_attributes(k, n, 4, block_size, accuracy_level)
+    parts = [
+        tape.op("MatMulNBits", [x, high, high_scales], attributes=attributes, domain="com.microsoft"),
+        tape.op("MatMulNBits", [x, low, scales, low_zero], attributes=attributes, domain="com.microsoft"),
+    ]
+    return tape.op("Add", parts)
+
+
+def at_fp32_activations(graph: ir.Graph, node: ir.Node, x: ir.Value) -> ir.Value:
+    """Rewrite ``node`` (a MatMulNBits of ``graph``) to compute ``x`` @ its weight at fp32 activations (accuracy
+    level 1) and return the product's value. 4-bit weights: the node itself, at level 1. 8-bit codes without zero
+    points (a GGUF's Q8_0 lm_head): the node is replaced by its nibble pair (``_nibble_pair``), since ONNX Runtime's
+    fp32 kernel for 8-bit weights is slow — SmolLM2's lm_head took ~170 ms per prompt chunk there against a few ms
+    as two 4-bit products. Any other 8-bit node: at level 1 as it is."""
+    attributes = {name: attribute.value for name, attribute in node.attributes.items()}
+    shape = (attributes["K"], attributes["N"], attributes["bits"], attributes["block_size"])
+    has_zero_points = len(node.inputs) > 3 and node.inputs[3] is not None
+    if attributes["bits"] != 8 or has_zero_points or len(node.inputs) > 4:
+        node.replace_input_with(0, x)
+        node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", 1)
+        return node.outputs[0]
+    tape = ir.tape.Tape(graph_like=graph)
+    product = _nibble_pair(graph, tape, x, node.inputs[1], node.inputs[2], shape, 1)
+    graph.insert_before(node, tape.nodes)
+    ir.convenience.replace_all_uses_with(node.outputs[0], product)
+    graph.remove(node, safe=True)
+    return product
 
 
 def _split_rows(graph: ir.Graph, tape: ir.tape.Tape, x: ir.Value, k: int, block_size: int) -> ir.Value:
