@@ -57,18 +57,24 @@ def profile(name: str, ids: list[int], threads: int, folder: Path) -> dict:
     backend = model._backend
     session = (backend.prefill or backend.graph).session
     events = json.loads(Path(session.end_profiling()).read_text())
+    chunks = len(model._chunks(len(ids)))
+    return kernels(events, seconds, len(model.cache_spec.layers) * chunks)
+
+
+def kernels(events: list[dict], seconds: float, attention_calls: int, within: dict | None = None) -> dict:
+    """A profile's kernel seconds and calls per op type (only those inside the ``within`` event, if given)."""
     per_op, calls = collections.defaultdict(float), collections.Counter()
     for event in events:
-        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+        if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
+            continue
+        if within is None or within["ts"] <= event["ts"] <= within["ts"] + within["dur"]:
             per_op[event["args"]["op_name"]] += event["dur"] / 1e6
             calls[event["args"]["op_name"]] += 1
-    chunks = len(model._chunks(len(ids)))
-    layers = len(model.cache_spec.layers)
     return {
         "prefill_seconds": seconds,
         "kernel_seconds": dict(sorted(per_op.items(), key=lambda item: -item[1])),
         "calls": dict(calls),
-        "attention_calls_expected": layers * chunks,
+        "attention_calls_expected": attention_calls,
     }
 
 
@@ -93,18 +99,8 @@ def profile_genai(ids: list[int], threads: int, folder: Path) -> dict:
     del model  # the profile is written when the session closes
     events = json.loads(next(folder.glob("genai*.json")).read_text())
     prompt = next(e for e in events if e.get("cat") == "Session" and e["name"] == "model_run")
-    per_op, calls = collections.defaultdict(float), collections.Counter()
-    for event in events:
-        inside = prompt["ts"] <= event.get("ts", -1) <= prompt["ts"] + prompt["dur"]
-        if inside and event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
-            per_op[event["args"]["op_name"]] += event["dur"] / 1e6
-            calls[event["args"]["op_name"]] += 1
-    return {
-        "prefill_seconds": seconds,
-        "kernel_seconds": dict(sorted(per_op.items(), key=lambda item: -item[1])),
-        "calls": dict(calls),
-        "attention_calls_expected": calls.get("GroupQueryAttention", 0),
-    }
+    layers = config["model"]["decoder"]["num_hidden_layers"]  # one attention call per layer: the prompt at once
+    return kernels(events, seconds, layers, within=prompt)
 
 
 def grouped(kernel_seconds: dict[str, float]) -> dict[str, float]:
