@@ -510,7 +510,126 @@ def _general(
     forced = _forced(b, key_pos, newest, protected, compression)
     keep = b.op("Where", b.op("Less", key_pos, b.i64(0)), b.f32(float("-inf")), b.op("Where", forced, inf, score_all))
 
-    # 4. pair the weakest slots with the strongest new tokens; write each pair's winner into the slot
+    # 4. write the new tokens: straight into the empty slots after the filled ones where they fit (every chunk of
+    # an `end` prompt), else by pairing the weakest slots with the strongest new tokens — the same result there
+    k_stored, k_scale = _quantize(b, "k", compression)
+    v_stored, v_scale = _quantize(b, "v", compression)
+    arriving = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale, "v_scale": v_scale, "pos": new_pos}
+    if every_slot:  # no If (compilers that must know every shape): the pairing always
+        written = _paired_writes(b, compression, policy, keep, score_all, arriving, capacity, new, newest, out)
+    else:
+        written = _writes(b, compression, policy, keep, score_all, arriving, filled, active, capacity, new, newest, out)
+    return {"out": out} | {f"{name}_out": value for name, value in written.items()}
+
+
+def _writes(
+    b: Body,
+    compression: Compression,
+    policy,
+    keep: str,
+    score_all: str,
+    arriving: dict[str, str],
+    filled: str,
+    active: str,
+    capacity: str,
+    new: str,
+    newest: str,
+    out: str,
+) -> dict[str, str]:
+    """Step 4 of the general call as an ``If``: the direct write where the call fits the empty slots
+    (``_fits_empty_slots``), else the pairing. Both give the reference's state; the direct one skips the pairing's
+    TopKs, its gathers of the old and new rows and its element-wise scatters — most of an `end` prompt chunk's
+    bookkeeping."""
+    condition = _fits_empty_slots(b, filled, active, keep, capacity, new)
+    names = state_names(compression)
+    graphs = {}
+    for kind in ("direct", "paired"):
+        body = Body(prefix=f"{b.prefix}{kind}_")
+        if kind == "direct":
+            written = _direct_writes(body, compression, score_all, arriving, active, capacity, new, out)
+        else:
+            written = _paired_writes(body, compression, policy, keep, score_all, arriving, capacity, new, newest, out)
+        graph_outputs = []
+        for name in names:
+            value = body.op("Identity", written[name], name=f"{name}_written")
+            graph_outputs.append(helper.make_tensor_value_info(value, _output_type(compression, f"{name}_out"), None))
+        graphs[kind] = helper.make_graph(body.nodes, f"{kind}_writes", [], graph_outputs)
+    results = {name: b.fresh(f"{name}_written") for name in names}
+    b.nodes.append(
+        helper.make_node(
+            "If",
+            [condition],
+            [results[name] for name in names],
+            then_branch=graphs["direct"],
+            else_branch=graphs["paired"],
+        )
+    )
+    return results
+
+
+def _fits_empty_slots(b: Body, filled: str, active: str, keep: str, capacity: str, new: str) -> str:
+    """True when the pairing would write new token i into slot ``active + i``: slots [0, active) filled on every
+    head and at least T empty slots after them (TopK takes the lowest-index of the tied empty slots, -inf), every
+    filled slot keeping more than an empty one and every new token more than that (each pair replaces). A NaN
+    score fails the test (the pairing decides)."""
+    per_head = b.op("ReduceSum", b.op("Cast", filled, to=TensorProto.INT64), b.i64([-1]), keepdims=0)
+    no_holes = b.op("Equal", b.op("ReduceMin", per_head, keepdims=0), b.op("Squeeze", active))
+    room = b.op("LessOrEqual", b.op("Squeeze", b.op("Add", active, new)), b.op("Squeeze", capacity))
+    candidates = b.op(
+        "Concat",
+        filled,
+        b.op("Expand", b.boolean(True), b.op("Concat", b.op("Shape", filled, end=2), new, axis=0)),
+        axis=2,
+    )
+    above_empty = b.op("Or", b.op("Greater", keep, b.f32(float("-inf"))), b.op("Not", candidates))
+    all_above = b.op("Equal", b.op("ReduceMin", b.op("Cast", above_empty, to=TensorProto.INT64), keepdims=0), b.i64(1))
+    return b.op("And", b.op("And", no_holes, room), all_above)
+
+
+def _direct_writes(
+    b: Body,
+    compression: Compression,
+    score_all: str,
+    arriving: dict[str, str],
+    active: str,
+    capacity: str,
+    new: str,
+    out: str,
+) -> dict[str, str]:
+    """New token i into slot ``active + i`` on every head: one ScatterND per state tensor, whole rows, indices
+    [B,Hkv,T,3] (batch, head, slot). The slot indices wait for the attention output, which reads the old state."""
+    first = b.op("Squeeze", active)
+    slots = b.op("Range", first, b.op("Add", first, b.op("Squeeze", new)), b.i64(1))  # [T]
+    slots = _after(b, slots, out)
+    grid = b.op("Concat", b.op("Shape", arriving["pos"]), b.i64([1]), axis=0)  # [B,Hkv,T,1]
+    batch = b.op(
+        "Reshape", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(arriving["pos"], 0)), b.i64(1)), b.i64([-1, 1, 1, 1])
+    )
+    heads = b.op(
+        "Reshape", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(arriving["pos"], 1)), b.i64(1)), b.i64([1, -1, 1, 1])
+    )
+    at_slot = b.op("Reshape", slots, b.i64([1, 1, -1, 1]))
+    index = b.op("Concat", *(b.op("Expand", axis, grid) for axis in (batch, heads, at_slot)), axis=-1)
+    current = {name: name for name in state_names(compression)}
+    current["score"] = b.op("Slice", score_all, b.i64([0]), capacity, b.i64([-1]))
+    incoming = dict(arriving)
+    incoming["score"] = b.op("Slice", score_all, capacity, b.i64([HUGE]), b.i64([-1]))
+    return {name: b.op("ScatterND", current[name], index, incoming[name]) for name in state_names(compression)}
+
+
+def _paired_writes(
+    b: Body,
+    compression: Compression,
+    policy,
+    keep: str,
+    score_all: str,
+    arriving: dict[str, str],
+    capacity: str,
+    new: str,
+    newest: str,
+    out: str,
+) -> dict[str, str]:
+    """Pair the T weakest slots with the T strongest new tokens and write each pair's winner into the slot; prune."""
     keep_old = b.op("Slice", keep, b.i64([0]), capacity, b.i64([-1]))
     keep_new = b.op("Slice", keep, capacity, b.i64([HUGE]), b.i64([-1]))
     weak_values, weakest = b.op("TopK", keep_old, new, axis=-1, largest=0, sorted=1, outputs=2)
@@ -520,9 +639,7 @@ def _general(
     tail = b.op("Add", b.op("Range", b.i64(0), b.op("Squeeze", new), b.i64(1)), b.i64(HUGE))
     weakest = _index_order(b, weakest, replace, tail, new)
     strongest = _index_order(b, strongest, replace, tail, new)
-    k_stored, k_scale = _quantize(b, "k", compression)
-    v_stored, v_scale = _quantize(b, "v", compression)
-    arriving = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale, "v_scale": v_scale, "pos": new_pos}
+    arriving = dict(arriving)
     arriving["score"] = b.op("Slice", score_all, capacity, b.i64([HUGE]), b.i64([-1]))
     current = {name: name for name in state_names(compression)} | {
         "score": b.op("Slice", score_all, b.i64([0]), capacity, b.i64([-1]))
@@ -539,7 +656,7 @@ def _general(
         written[name] = _write(b, current[name], arriving[name], slots, strongest, replace, trailing)
     if policy.prunes:
         written["pos"] = _prune(b, policy, written, evicted, newest, compression)
-    return {"out": out} | {f"{name}_out": value for name, value in written.items()}
+    return written
 
 
 def _observing(b: Body, new: str) -> str:

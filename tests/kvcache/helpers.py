@@ -108,6 +108,17 @@ def present(sess: ort.InferenceSession, feeds: dict) -> dict:
 ALIASING = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
 
 
+def op_types(nodes) -> set[str]:
+    """Every op type in ``nodes`` and in their subgraphs (If branches)."""
+    found = set()
+    for node in nodes:
+        found.add(node.op_type)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                found |= op_types(attribute.g.node)
+    return found
+
+
 def _reads(node: onnx.NodeProto) -> set[str]:
     """The names a node reads: its inputs and what its subgraphs (If branches) take from outside them."""
     names = set(node.input)
@@ -122,13 +133,22 @@ def assert_state_read_before_written(nodes, outputs: list[str], compression) -> 
     """The in-place proof, on the graph, for one body of CompressedKVAttention (an If branch, or a body without
     one): ``outputs`` names its outputs in ``compressed_function.outputs`` order. Bound in place, a state input's
     buffer is its output's, which the node computing the output writes — the last one before views (Identity,
-    Reshape…, which ONNX Runtime may run on that buffer): a ScatterElements, or the Where that prunes positions.
-    Every live node that reads the input — directly, through a view, or from inside a subgraph — must be an
-    ancestor of that writer: ONNX Runtime runs a node once its inputs exist, so nothing then reads a slot after it
-    was overwritten. (A node whose result nothing uses may read whenever.)"""
+    Reshape…, which ONNX Runtime may run on that buffer): a ScatterElements or ScatterND, the Where that prunes
+    positions, or an If whose branches each write it (checked the same way, inside). Every live node that reads
+    the input — directly, through a view, or from inside a subgraph — must be an ancestor of that writer: ONNX
+    Runtime runs a node once its inputs exist, so nothing then reads a slot after it was overwritten. (A node
+    whose result nothing uses may read whenever.)"""
     from edgec.kvcache import compressed_function as cf
 
-    nodes = list(nodes)
+    formal = list(cf.outputs(compression))
+    written = {name: outputs[formal.index(f"{name}_out")] for name in cf.state_names(compression)}
+    _assert_read_before_written(list(nodes), outputs, written)
+
+
+def _assert_read_before_written(nodes: list, outputs: list[str], written: dict[str, str], inside: bool = False) -> None:
+    """``written``: each state input's name → the name of the value among ``outputs`` (all the body's) that
+    becomes its output. ``inside`` an If that writes it: the branch may read the input or not (the If itself
+    was checked as a reader)."""
     producers = {output: i for i, node in enumerate(nodes) for output in node.output}
 
     def ancestors(index: int) -> set[int]:
@@ -152,14 +172,19 @@ def assert_state_read_before_written(nodes, outputs: list[str], compression) -> 
         return found
 
     live = set().union(*(ancestors(producers[name]) | {producers[name]} for name in outputs))
-    formal = list(cf.outputs(compression))
-    for name in cf.state_names(compression):
-        writer = producers[outputs[formal.index(f"{name}_out")]]
-        while nodes[writer].op_type in ALIASING:
-            writer = producers[nodes[writer].input[0]]
-        assert nodes[writer].op_type in ("ScatterElements", "Where"), (name, nodes[writer].op_type)
+    for name, output in written.items():
+        while nodes[producers[output]].op_type in ALIASING:
+            output = nodes[producers[output]].input[0]
+        writer = producers[output]
+        assert nodes[writer].op_type in ("ScatterElements", "ScatterND", "Where", "If"), (name, nodes[writer].op_type)
         before = ancestors(writer)
         reading = readers(name) & live
-        assert reading, name
+        assert reading or inside, name
         late = [nodes[i].op_type for i in reading if i != writer and i not in before]
         assert not late, f"{name} is read after its output is written, by {late}"
+        if nodes[writer].op_type == "If":  # each branch writes it: the same proof inside
+            at = list(nodes[writer].output).index(output)
+            for attribute in nodes[writer].attribute:
+                branch = attribute.g
+                outputs_inside = [value.name for value in branch.output]
+                _assert_read_before_written(list(branch.node), outputs_inside, {name: outputs_inside[at]}, inside=True)

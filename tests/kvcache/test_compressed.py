@@ -13,7 +13,7 @@ from edgec.kvcache import compressed_function as cf
 from edgec.kvcache import reference
 from edgec.kvcache.compression import Compression
 from edgec.kvcache.policies import POLICIES
-from tests.kvcache.helpers import assert_state_read_before_written
+from tests.kvcache.helpers import assert_state_read_before_written, op_types
 
 # out: float32 attention; ORT and numpy (float64) differ by accumulation order, and the dequantized slots are
 # computed identically (same bytes, same scales) so the dtype does not widen it
@@ -223,13 +223,21 @@ def test_end_selection_pools_each_score_once():
 FUSED_POLICIES = {"snapkv", "tova", "streaming"}
 
 
-def _gqa_runs(sess: ort.InferenceSession) -> int:
+def _runs(sess: ort.InferenceSession, op_type: str = "GroupQueryAttention") -> int:
+    """How many times a profiled session ran ``op_type`` (ends its profile)."""
     import json
     from pathlib import Path
 
     events = json.loads(Path(sess.end_profiling()).read_text())
-    runs = {e["ts"] for e in events if e.get("cat") == "Node" and e["args"].get("op_name") == "GroupQueryAttention"}
+    runs = {e["ts"] for e in events if e.get("cat") == "Node" and e["args"].get("op_name") == op_type}
     return len(runs)
+
+
+def _profiled(model: onnx.ModelProto, tmp_path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "profile")
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "fp8", "int4"])
@@ -241,14 +249,11 @@ def test_fused_prompt_attention_matches_reference(dtype, policy, tmp_path):
     compression = Compression(capacity=capacity, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
     model = compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.3, fused=True)
     onnx.checker.check_model(model, full_check=True)
-    options = ort.SessionOptions()
-    options.enable_profiling = True
-    options.profile_file_prefix = str(tmp_path / "profile")
-    sess = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    sess = _profiled(model, tmp_path)
     seed = hash((dtype, policy, "fused")) % 1000
     _run(sess, compression, heads, kv_heads, head_dim, capacity, STEPS, seed=seed, in_place=True, scale=0.3)
     chunks = sum(1 for _, count in STEPS if count > 1)
-    assert _gqa_runs(sess) == (chunks if policy in FUSED_POLICIES else 0)
+    assert _runs(sess) == (chunks if policy in FUSED_POLICIES else 0)
 
 
 def test_fused_prompt_attention_falls_back_where_slots_do_not_extend():
@@ -260,6 +265,60 @@ def test_fused_prompt_attention_falls_back_where_slots_do_not_extend():
     model = compressed_model(4, 2, 16, 12, compression, scale=0.25, fused=True)
     steps = [(20, 6), (0, 5), (26, 1), (10, 4)]  # a chunk of earlier positions after later ones
     _run(_session(model), compression, 4, 2, 16, 12, steps, seed=12, in_place=True)
+
+
+# --- the direct write: a chunk that fits the empty slots after the filled ones lands there in order ----------------
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype,policy", [("int8", "snapkv"), ("int4", "h2o"), ("fp32", "adaptive"), ("fp8", "tova")])
+def test_chunks_that_fit_the_empty_slots_are_written_directly(dtype, policy, fused, tmp_path):
+    """In place, against the reference: a chunk into an empty cache, one that fills it exactly, and one that must
+    evict (the pairing). The direct write (one ScatterND per state tensor) runs for the first two only."""
+    heads, kv_heads, head_dim, capacity = 4, 2, 16, 16
+    compression = Compression(capacity=capacity, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
+    sess = _profiled(
+        compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.3, fused=fused), tmp_path
+    )
+    steps = [(0, 7), (7, 1), (8, 8), (16, 1), (17, 4)]
+    _run(sess, compression, heads, kv_heads, head_dim, capacity, steps, seed=21, in_place=True, scale=0.3)
+    assert _runs(sess, "ScatterND") == 2 * len(cf.state_names(compression))
+
+
+@pytest.mark.parametrize("case", ["a hole", "a filled slot scoring -inf", "no room"])
+def test_the_pairing_decides_where_the_empty_slots_are_not_simply_next(case, tmp_path):
+    """Room for the chunk, but the weakest slots are not [active, active + T): an empty slot among the filled ones
+    (which the pairing fills first), a filled slot whose score ties the empty ones (-inf; not a sink, not recent:
+    the pairing takes it, lowest index first) — or no room at all. The op must not write directly (no ScatterND
+    runs) and must still give the reference's state."""
+    heads, kv_heads, head_dim, capacity = 4, 2, 16, 16
+    compression = Compression(capacity=capacity, sink=1, window=2, policy="snapkv", dtype="int8", group=8, observe=4)
+    model = compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.3, fused=True)
+    state = _run(_session(model), compression, heads, kv_heads, head_dim, capacity, [(0, 8)], seed=1, scale=0.3)
+    if case == "a hole":
+        state["pos"][:, :, 4] = -1
+    elif case == "a filled slot scoring -inf":
+        state["score"][:, 1, 5] = -np.inf
+    count = 9 if case == "no room" else 4
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, heads, count, head_dim)).astype(np.float32)
+    k, v = rng.standard_normal((2, 1, kv_heads, count, head_dim)).astype(np.float32)
+    positions = np.arange(8, 8 + count)[None]
+    protect = np.zeros_like(positions, bool)
+    observe = case != "a filled slot scoring -inf"  # unobserved: the slots keep their scores, the -inf among them
+    want_out, want = reference.compressed_kv_attention(
+        q, k, v, positions, protect, state, compression, scale=0.3, observe=observe
+    )
+    sess = _profiled(model, tmp_path)
+    feeds = dict(q=q, k=k, v=v, position_ids=positions, protect=protect, observe=np.array([observe]))
+    out, *results = sess.run(None, feeds | _state_feed(state))
+    got = dict(zip(cf.state_names(compression), results, strict=True))
+    np.testing.assert_allclose(out, want_out, atol=OUT_ATOL["int8"], rtol=0)
+    want = _state_feed(want)
+    np.testing.assert_array_equal(got["pos"], want["pos"])
+    assert case == "no room" or set(range(8, 12)) - set(got["pos"][0, 1].tolist()) == set()
+    for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    np.testing.assert_allclose(got["score"], want["score"], rtol=1e-4, atol=1e-5)
+    assert _runs(sess, "ScatterND") == 0
 
 
 # --- one branch per graph: a bundle with a prompt-chunk graph decodes on the decode branch alone -------------------
@@ -288,10 +347,11 @@ def test_one_branch_graphs_match_reference_in_place(dtype, policy, fused):
         onnx.checker.check_model(specialised, full_check=True)
     branches = {a.g.name for node in general.functions[0].node if node.op_type == "If" for a in node.attribute}
     fused_branches = {"fast_attention", "full_attention", "observed_scores", "unobserved_scores"}
-    assert branches == (fused_branches if fused and policy != "h2o" else set())
+    writes = {"direct_writes", "paired_writes"}
+    assert branches == (fused_branches if fused and policy != "h2o" else set()) | writes
     assert not any(node.op_type == "If" for node in decode.functions[0].node)
-    assert any(node.op_type == "TopK" for node in general.functions[0].node)
-    assert not any(node.op_type == "TopK" for node in decode.functions[0].node)
+    assert "TopK" in op_types(general.functions[0].node)
+    assert "TopK" not in op_types(decode.functions[0].node)
     body = decode.functions[0]
     read = set(body.output) | {name for node in body.node for name in node.input}
     assert all(set(node.output) & read for node in body.node)  # nothing left that only the If's condition read
