@@ -435,18 +435,26 @@ def _general(
     filled = b.op("GreaterOrEqual", "pos", b.i64(0))
     active, active_slots, old_k, old_v = _filled_slots(b, filled, capacity, compression, every_slot)
 
+    observing = _observing(b, new)
+    # an unobserved chunk that only appends to the slots (every chunk of an `end` prompt but the last) needs none
+    # of the judging below: an If gives it GroupQueryAttention and the direct write alone (_appending); what only
+    # the judging reads is computed in its branch (j), so an appending chunk does not run it
+    lean = fused is not None and not every_slot
+    j = Body(prefix=f"{b.prefix}judged_") if lean else b
+
     # 1. attention over the slots and the new tokens; queries grouped per KV head: [B,Hkv,G·T,D]
-    rows_shape = b.op("Concat", b.i64([0]), kv_heads, b.i64([-1]), head_dim, axis=0)
+    rows_shape = j.op("Concat", j.i64([0]), kv_heads, j.i64([-1]), head_dim, axis=0)
     bht = b.op("Concat", b.op("Shape", "k", end=2), new, axis=0)
     new_pos = b.op("Expand", b.op("Unsqueeze", "position_ids", b.i64([1])), bht)  # [B,Hkv,T]
-    key_pos = b.op("Concat", "pos", new_pos, axis=2)  # [B,Hkv,C+T]: every candidate
-    attended_pos = b.op("Concat", active_slots("pos"), new_pos, axis=2)  # [B,Hkv,active+T]
-    group_size = b.op("Div", heads, kv_heads)
+    key_pos = j.op("Concat", "pos", new_pos, axis=2)  # [B,Hkv,C+T]: every candidate
+    active_pos = j.op("Slice", "pos", j.i64([0]), active, j.i64([2])) if lean else active_slots("pos")
+    attended_pos = j.op("Concat", active_pos, new_pos, axis=2)  # [B,Hkv,active+T]
+    group_size = j.op("Div", heads, kv_heads)
     # fp32 slots are plain slices of the state: a branch re-slices them (_Attend.in_branch)
     sliced = active if compression.dtype == "fp32" and not every_slot else None
     attend = _Attend(old_k, old_v, attended_pos, rows_shape, group_size, scale_attr, window_attr, sliced)
+    attend_j = attend.in_branch(j) if lean else attend
     needs = prompt_needs(policy) if fused is not None and not every_slot else policy.needs
-    observing = _observing(b, new)
 
     def updated_in(body: Body, judged: str | None, judged_rows: str) -> str:
         """2. what this call's attention says about each candidate, then the policy's scores."""
@@ -471,55 +479,116 @@ def _general(
         return policy.update_onnx(body, "score", stats, key_pos, new)
 
     if fused is None or every_slot or "total" in needs:  # every query's probabilities: the output comes with them
-        probs = attend.probs(b, "q", "position_ids", new)
-        out = attend.output(b, probs, active)
+        probs = attend_j.probs(j, "q", "position_ids", new)
+        out = attend_j.output(j, probs, active)
         # the probabilities are computed for the output anyway: the unobserved case is a choice, not a saving
-        updated = b.op("Where", observing, updated_in(b, probs, new), _unobserved(b, "score", new))
+        updated = j.op("Where", observing, updated_in(j, probs, new), _unobserved(j, "score", new))
     else:
-        out = _fused_output(b, attend, filled, active, new, window_attr, fused)
+        out = _fused_output(j, attend_j, filled, active, new, window_attr, fused)
         # the policy reads the last `observe` queries only: their rows alone, and only when the call observes
         branches = {}
         for kind in ("observed", "unobserved"):
-            body = Body(prefix=f"{b.prefix}{kind}_")
+            body = Body(prefix=f"{j.prefix}{kind}_")
             if kind == "observed":
                 judged_q = body.op("Slice", "q", body.i64([-compression.observe]), body.i64([HUGE]), body.i64([2]))
                 judged_pos = body.op(
                     "Slice", "position_ids", body.i64([-compression.observe]), body.i64([HUGE]), body.i64([1])
                 )
                 judged_rows = body.shape(judged_pos, 1)
-                judged = attend.in_branch(body).probs(body, judged_q, judged_pos, judged_rows) if needs else None
+                judged = attend_j.in_branch(body).probs(body, judged_q, judged_pos, judged_rows) if needs else None
                 result = updated_in(body, judged, judged_rows)
             else:
                 result = _unobserved(body, "score", new)
             value = body.op("Identity", result, name=f"{kind}_score")
             output = helper.make_tensor_value_info(value, TensorProto.FLOAT, None)
             branches[kind] = helper.make_graph(body.nodes, f"{kind}_scores", [], [output])
-        updated = b.fresh("updated_score")
-        b.nodes.append(
+        updated = j.fresh("updated_score")
+        j.nodes.append(
             helper.make_node(
                 "If", [observing], [updated], then_branch=branches["observed"], else_branch=branches["unobserved"]
             )
         )
-    inf = b.f32(float("inf"))
-    old_protected = b.op("And", b.op("IsInf", "score", detect_negative=0), filled)
-    protected = b.op("Concat", old_protected, b.op("Expand", b.op("Unsqueeze", "protect", b.i64([1])), bht), axis=2)
-    score_all = b.op("Where", protected, inf, updated)
+    inf = j.f32(float("inf"))
+    old_protected = j.op("And", j.op("IsInf", "score", detect_negative=0), filled)
+    protected = j.op("Concat", old_protected, j.op("Expand", j.op("Unsqueeze", "protect", j.i64([1])), bht), axis=2)
+    score_all = j.op("Where", protected, inf, updated)
 
     # 3. keep-scores: forced candidates +inf, empty slots -inf
-    newest = b.op("Unsqueeze", b.op("ReduceMax", "position_ids", b.i64([1]), keepdims=1), b.i64([2]))  # [B,1,1]
-    forced = _forced(b, key_pos, newest, protected, compression)
-    keep = b.op("Where", b.op("Less", key_pos, b.i64(0)), b.f32(float("-inf")), b.op("Where", forced, inf, score_all))
+    newest = j.op("Unsqueeze", j.op("ReduceMax", "position_ids", j.i64([1]), keepdims=1), j.i64([2]))  # [B,1,1]
+    forced = _forced(j, key_pos, newest, protected, compression)
+    keep = j.op("Where", j.op("Less", key_pos, j.i64(0)), j.f32(float("-inf")), j.op("Where", forced, inf, score_all))
 
     # 4. write the new tokens: straight into the empty slots after the filled ones where they fit (every chunk of
     # an `end` prompt), else by pairing the weakest slots with the strongest new tokens — the same result there
-    k_stored, k_scale = _quantize(b, "k", compression)
-    v_stored, v_scale = _quantize(b, "v", compression)
+    k_stored, k_scale = _quantize(j, "k", compression)
+    v_stored, v_scale = _quantize(j, "v", compression)
     arriving = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale, "v_scale": v_scale, "pos": new_pos}
     if every_slot:  # no If (compilers that must know every shape): the pairing always
-        written = _paired_writes(b, compression, policy, keep, score_all, arriving, capacity, new, newest, out)
+        written = _paired_writes(j, compression, policy, keep, score_all, arriving, capacity, new, newest, out)
     else:
-        written = _writes(b, compression, policy, keep, score_all, arriving, filled, active, capacity, new, newest, out)
-    return {"out": out} | {f"{name}_out": value for name, value in written.items()}
+        written = _writes(j, compression, policy, keep, score_all, arriving, filled, active, capacity, new, newest, out)
+    results = {"out": out} | {f"{name}_out": value for name, value in written.items()}
+    if not lean:
+        return results
+    return _appending(b, j, results, compression, attend, filled, active, new, new_pos, observing, window_attr, fused)
+
+
+def _appending(
+    b: Body,
+    judged: Body,
+    judged_results: dict[str, str],
+    compression: Compression,
+    attend: _Attend,
+    filled: str,
+    active: str,
+    new: str,
+    new_pos: str,
+    observing: str,
+    window_attr: str,
+    heads: Heads,
+) -> dict[str, str]:
+    """The general call as an ``If``: where it does not observe and only appends to the slots (``_appends``), its
+    meaning reduces to GroupQueryAttention over the active slots and new token i written into slot ``active + i``
+    — the slots keep their scores, the new tokens score 0 (+inf where protected), nothing is evicted; else the
+    whole call, as ``judged`` built it (``judged_results``). Per layer and chunk of an `end` prompt that is ~60
+    nodes instead of ~230."""
+    names = state_names(compression)
+    append = Body(prefix=f"{b.prefix}append_")
+    out = _gqa_output(append, attend.in_branch(append), active, new, heads)
+    k_stored, k_scale = _quantize(append, "k", compression)
+    v_stored, v_scale = _quantize(append, "v", compression)
+    protect = append.op("Expand", append.op("Unsqueeze", "protect", append.i64([1])), append.op("Shape", new_pos))
+    score_new = append.op("Where", protect, append.f32(float("inf")), append.f32(0.0))
+    incoming = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale, "v_scale": v_scale}
+    incoming |= {"pos": new_pos, "score": score_new}
+    written = _direct_writes(append, compression, {name: name for name in names}, incoming, active, new, out)
+    appended = {"out": out} | {f"{name}_out": written[name] for name in names}
+    graphs = {}
+    for kind, body, results in (("append", append, appended), ("judged", judged, judged_results)):
+        graph_outputs = []
+        for name in ("out", *(f"{name}_out" for name in names)):
+            value = body.op("Identity", results[name], name=f"{name}_chunk")
+            graph_outputs.append(helper.make_tensor_value_info(value, _output_type(compression, name), None))
+        graphs[kind] = helper.make_graph(body.nodes, f"{kind}_chunk", [], graph_outputs)
+    condition = _appends(b, filled, active, observing, new, window_attr)
+    results = {name: b.fresh(f"{name}_chunk") for name in ("out", *(f"{name}_out" for name in names))}
+    b.nodes.append(
+        helper.make_node(
+            "If", [condition], list(results.values()), then_branch=graphs["append"], else_branch=graphs["judged"]
+        )
+    )
+    return results
+
+
+def _appends(b: Body, filled: str, active: str, observing: str, new: str, window_attr: str) -> str:
+    """True when the call does not observe, extends the slots (``_extends``), fits the empty slots after them,
+    and no filled slot scores -inf (which the pairing would take before an empty slot; a NaN fails too)."""
+    capacity = b.shape("pos", 2)
+    room = b.op("LessOrEqual", b.op("Squeeze", b.op("Add", active, new)), b.op("Squeeze", capacity))
+    above = b.op("Or", b.op("Greater", "score", b.f32(float("-inf"))), b.op("Not", filled))
+    finite = b.op("Equal", b.op("ReduceMin", b.op("Cast", above, to=TensorProto.INT64), keepdims=0), b.i64(1))
+    plain = b.op("And", b.op("Not", observing), _extends(b, filled, active, window_attr))
+    return b.op("And", plain, b.op("And", room, finite))
 
 
 def _writes(
@@ -546,7 +615,10 @@ def _writes(
     for kind in ("direct", "paired"):
         body = Body(prefix=f"{b.prefix}{kind}_")
         if kind == "direct":
-            written = _direct_writes(body, compression, score_all, arriving, active, capacity, new, out)
+            current = {name: name for name in names}
+            current["score"] = body.op("Slice", score_all, body.i64([0]), capacity, body.i64([-1]))
+            incoming = arriving | {"score": body.op("Slice", score_all, capacity, body.i64([HUGE]), body.i64([-1]))}
+            written = _direct_writes(body, compression, current, incoming, active, new, out)
         else:
             written = _paired_writes(body, compression, policy, keep, score_all, arriving, capacity, new, newest, out)
         graph_outputs = []
@@ -589,31 +661,27 @@ def _fits_empty_slots(b: Body, filled: str, active: str, keep: str, capacity: st
 def _direct_writes(
     b: Body,
     compression: Compression,
-    score_all: str,
-    arriving: dict[str, str],
+    current: dict[str, str],
+    incoming: dict[str, str],
     active: str,
-    capacity: str,
     new: str,
     out: str,
 ) -> dict[str, str]:
-    """New token i into slot ``active + i`` on every head: one ScatterND per state tensor, whole rows, indices
-    [B,Hkv,T,3] (batch, head, slot). The slot indices wait for the attention output, which reads the old state."""
+    """New token i into slot ``active + i`` on every head: one ScatterND per state tensor (``current[name]``, the
+    state input or a fresh tensor in its place), whole rows of ``incoming[name]``, indices [B,Hkv,T,3] (batch,
+    head, slot). The slot indices wait for the attention output, which reads the old state."""
     first = b.op("Squeeze", active)
     slots = b.op("Range", first, b.op("Add", first, b.op("Squeeze", new)), b.i64(1))  # [T]
     slots = _after(b, slots, out)
-    grid = b.op("Concat", b.op("Shape", arriving["pos"]), b.i64([1]), axis=0)  # [B,Hkv,T,1]
+    grid = b.op("Concat", b.op("Shape", incoming["pos"]), b.i64([1]), axis=0)  # [B,Hkv,T,1]
     batch = b.op(
-        "Reshape", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(arriving["pos"], 0)), b.i64(1)), b.i64([-1, 1, 1, 1])
+        "Reshape", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(incoming["pos"], 0)), b.i64(1)), b.i64([-1, 1, 1, 1])
     )
     heads = b.op(
-        "Reshape", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(arriving["pos"], 1)), b.i64(1)), b.i64([1, -1, 1, 1])
+        "Reshape", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(incoming["pos"], 1)), b.i64(1)), b.i64([1, -1, 1, 1])
     )
     at_slot = b.op("Reshape", slots, b.i64([1, 1, -1, 1]))
     index = b.op("Concat", *(b.op("Expand", axis, grid) for axis in (batch, heads, at_slot)), axis=-1)
-    current = {name: name for name in state_names(compression)}
-    current["score"] = b.op("Slice", score_all, b.i64([0]), capacity, b.i64([-1]))
-    incoming = dict(arriving)
-    incoming["score"] = b.op("Slice", score_all, capacity, b.i64([HUGE]), b.i64([-1]))
     return {name: b.op("ScatterND", current[name], index, incoming[name]) for name in state_names(compression)}
 
 
@@ -750,29 +818,8 @@ def _fused_output(b: Body, attend: _Attend, filled: str, active: str, new: str, 
     """The attention output [B,T,H,D]: GroupQueryAttention over a past of the active slots when the call extends
     them (no score matrix is materialized; ONNX Runtime's kernel), else every query's probabilities."""
     fast, full = Body(prefix=f"{b.prefix}gqa_"), Body(prefix=f"{b.prefix}full_")
-    attend_fast, attend_full = attend.in_branch(fast), attend.in_branch(full)
-    query = fast.op("Reshape", fast.op("Transpose", "q", perm=[0, 2, 1, 3]), fast.i64([0, 0, heads.query * heads.dim]))
-    kv_width = fast.i64([0, 0, heads.kv * heads.dim])
-    key = fast.op("Reshape", fast.op("Transpose", "k", perm=[0, 2, 1, 3]), kv_width)
-    value = fast.op("Reshape", fast.op("Transpose", "v", perm=[0, 2, 1, 3]), kv_width)
-    total = fast.op("Add", active, new)  # [1]
-    batch = fast.op("Shape", "position_ids", end=1)
-    seqlens = fast.op("Cast", fast.op("Expand", fast.op("Sub", total, fast.i64([1])), batch), to=TensorProto.INT32)
-    total_length = fast.op("Cast", fast.op("Squeeze", total), to=TensorProto.INT32)
-    fused = [fast.fresh("gqa_out"), fast.fresh("gqa_present_k"), fast.fresh("gqa_present_v")]
-    node = helper.make_node(
-        "GroupQueryAttention",
-        [query, key, value, attend_fast.old_k, attend_fast.old_v, seqlens, total_length],
-        fused,
-        domain="com.microsoft",
-        num_heads=heads.query,
-        kv_num_heads=heads.kv,
-    )
-    scale = helper.make_attribute_ref("scale", AttributeProto.FLOAT)
-    scale.ref_attr_name = "scale"
-    node.attribute.append(scale)
-    fast.nodes.append(node)
-    fast_out = fast.op("Reshape", fused[0], fast.i64([0, 0, heads.query, heads.dim]))
+    attend_full = attend.in_branch(full)
+    fast_out = _gqa_output(fast, attend.in_branch(fast), active, new, heads)
     full_out = attend_full.output(full, attend_full.probs(full, "q", "position_ids", new), active)
     branches = {}
     for kind, body, result in (("fast", fast, fast_out), ("full", full, full_out)):
@@ -784,6 +831,33 @@ def _fused_output(b: Body, attend: _Attend, filled: str, active: str, new: str, 
     fast_branch, full_branch = branches["fast"], branches["full"]
     b.nodes.append(helper.make_node("If", [condition], [out], then_branch=fast_branch, else_branch=full_branch))
     return out
+
+
+def _gqa_output(b: Body, attend: _Attend, active: str, new: str, heads: Heads) -> str:
+    """The attention output [B,T,H,D] from ``com.microsoft::GroupQueryAttention`` over a past of the active slots
+    (``attend.old_k``/``old_v``, slots [0, active)): right only where the call extends them (``_extends``)."""
+    query = b.op("Reshape", b.op("Transpose", "q", perm=[0, 2, 1, 3]), b.i64([0, 0, heads.query * heads.dim]))
+    kv_width = b.i64([0, 0, heads.kv * heads.dim])
+    key = b.op("Reshape", b.op("Transpose", "k", perm=[0, 2, 1, 3]), kv_width)
+    value = b.op("Reshape", b.op("Transpose", "v", perm=[0, 2, 1, 3]), kv_width)
+    total = b.op("Add", active, new)  # [1]
+    batch = b.op("Shape", "position_ids", end=1)
+    seqlens = b.op("Cast", b.op("Expand", b.op("Sub", total, b.i64([1])), batch), to=TensorProto.INT32)
+    total_length = b.op("Cast", b.op("Squeeze", total), to=TensorProto.INT32)
+    fused = [b.fresh("gqa_out"), b.fresh("gqa_present_k"), b.fresh("gqa_present_v")]
+    node = helper.make_node(
+        "GroupQueryAttention",
+        [query, key, value, attend.old_k, attend.old_v, seqlens, total_length],
+        fused,
+        domain="com.microsoft",
+        num_heads=heads.query,
+        kv_num_heads=heads.kv,
+    )
+    scale = helper.make_attribute_ref("scale", AttributeProto.FLOAT)
+    scale.ref_attr_name = "scale"
+    node.attribute.append(scale)
+    b.nodes.append(node)
+    return b.op("Reshape", fused[0], b.i64([0, 0, heads.query, heads.dim]))
 
 
 def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str, heads: Heads) -> dict[str, str]:

@@ -223,14 +223,20 @@ def test_end_selection_pools_each_score_once():
 FUSED_POLICIES = {"snapkv", "tova", "streaming"}
 
 
-def _runs(sess: ort.InferenceSession, op_type: str = "GroupQueryAttention") -> int:
-    """How many times a profiled session ran ``op_type`` (ends its profile)."""
+def _ran(sess: ort.InferenceSession) -> dict[str, int]:
+    """How many times a profiled session ran each op type (ends its profile)."""
     import json
+    from collections import Counter
     from pathlib import Path
 
     events = json.loads(Path(sess.end_profiling()).read_text())
-    runs = {e["ts"] for e in events if e.get("cat") == "Node" and e["args"].get("op_name") == op_type}
-    return len(runs)
+    runs = {(e["ts"], e["args"]["op_name"]) for e in events if e.get("cat") == "Node" and "op_name" in e["args"]}
+    return Counter(op for _, op in runs)
+
+
+def _runs(sess: ort.InferenceSession, op_type: str = "GroupQueryAttention") -> int:
+    """How many times a profiled session ran ``op_type`` (ends its profile)."""
+    return _ran(sess)[op_type]
 
 
 def _profiled(model: onnx.ModelProto, tmp_path) -> ort.InferenceSession:
@@ -283,12 +289,16 @@ def test_chunks_that_fit_the_empty_slots_are_written_directly(dtype, policy, fus
     assert _runs(sess, "ScatterND") == 2 * len(cf.state_names(compression))
 
 
-@pytest.mark.parametrize("case", ["a hole", "a filled slot scoring -inf", "no room"])
-def test_the_pairing_decides_where_the_empty_slots_are_not_simply_next(case, tmp_path):
+@pytest.mark.parametrize(
+    "case,observe",
+    [("a hole", True), ("a hole", False), ("a filled slot scoring -inf", False), ("no room", True), ("no room", False)],
+)
+def test_the_pairing_decides_where_the_empty_slots_are_not_simply_next(case, observe, tmp_path):
     """Room for the chunk, but the weakest slots are not [active, active + T): an empty slot among the filled ones
     (which the pairing fills first), a filled slot whose score ties the empty ones (-inf; not a sink, not recent:
-    the pairing takes it, lowest index first) — or no room at all. The op must not write directly (no ScatterND
-    runs) and must still give the reference's state."""
+    the pairing takes it, lowest index first; unobserved, so the slot keeps that score) — or no room at all. The
+    op must neither write directly nor take the unobserved append (no ScatterND runs) and must still give the
+    reference's state."""
     heads, kv_heads, head_dim, capacity = 4, 2, 16, 16
     compression = Compression(capacity=capacity, sink=1, window=2, policy="snapkv", dtype="int8", group=8, observe=4)
     model = compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.3, fused=True)
@@ -303,7 +313,6 @@ def test_the_pairing_decides_where_the_empty_slots_are_not_simply_next(case, tmp
     k, v = rng.standard_normal((2, 1, kv_heads, count, head_dim)).astype(np.float32)
     positions = np.arange(8, 8 + count)[None]
     protect = np.zeros_like(positions, bool)
-    observe = case != "a filled slot scoring -inf"  # unobserved: the slots keep their scores, the -inf among them
     want_out, want = reference.compressed_kv_attention(
         q, k, v, positions, protect, state, compression, scale=0.3, observe=observe
     )
@@ -321,6 +330,27 @@ def test_the_pairing_decides_where_the_empty_slots_are_not_simply_next(case, tmp
     assert _runs(sess, "ScatterND") == 0
 
 
+@pytest.mark.parametrize("dtype,policy", [("int8", "snapkv"), ("int4", "tova"), ("fp32", "streaming"), ("fp8", "h2o")])
+def test_unobserved_chunks_that_append_take_the_lean_branch(dtype, policy, tmp_path):
+    """An `end` prompt's chunks (unobserved, each after the last, with room): the reference's state in place, and
+    ONNX Runtime ran the append branch — GroupQueryAttention and a ScatterND per state tensor, none of the judging
+    (its IsInf of the protected slots, its Pad of the unobserved scores, its TopKs). Then an observed chunk takes
+    the judging."""
+    heads, kv_heads, head_dim, capacity = 6, 3, 32, 48
+    compression = Compression(capacity=capacity, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
+    model = compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.3, fused=True)
+    steps = [(0, 5), (5, 16), (21, 16)]
+    shape = (heads, kv_heads, head_dim, capacity)
+    sess = _profiled(model, tmp_path)
+    _run(sess, compression, *shape, steps, seed=8, in_place=True, scale=0.3, unobserved={0, 1, 2})
+    ran = _ran(sess)
+    assert ran["GroupQueryAttention"] == 3 and ran["ScatterND"] == 3 * len(cf.state_names(compression))
+    assert not {"IsInf", "Pad", "TopK"} & set(ran)
+    sess = _profiled(model, tmp_path)
+    _run(sess, compression, *shape, [*steps, (37, 8)], seed=8, in_place=True, scale=0.3, unobserved={0, 1, 2})
+    assert _ran(sess)["IsInf"] > 0
+
+
 # --- one branch per graph: a bundle with a prompt-chunk graph decodes on the decode branch alone -------------------
 def _one_branch_model(model: onnx.ModelProto, kind: str) -> onnx.ModelProto:
     specialised = onnx.ModelProto()
@@ -328,6 +358,16 @@ def _one_branch_model(model: onnx.ModelProto, kind: str) -> onnx.ModelProto:
     (function,) = specialised.functions
     function.CopyFrom(cf.single_branch(function, kind))
     return specialised
+
+
+def _branch_names(nodes) -> set[str]:
+    """The names of every If branch in ``nodes``, nested ones too."""
+    names = set()
+    for node in nodes:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                names |= {attribute.g.name} | _branch_names(attribute.g.node)
+    return names
 
 
 @pytest.mark.parametrize(
@@ -345,10 +385,13 @@ def test_one_branch_graphs_match_reference_in_place(dtype, policy, fused):
     general, decode = (_one_branch_model(model, kind) for kind in ("general", "decode"))
     for specialised in (general, decode):
         onnx.checker.check_model(specialised, full_check=True)
-    branches = {a.g.name for node in general.functions[0].node if node.op_type == "If" for a in node.attribute}
+    branches = _branch_names(general.functions[0].node)
     fused_branches = {"fast_attention", "full_attention", "observed_scores", "unobserved_scores"}
     writes = {"direct_writes", "paired_writes"}
-    assert branches == (fused_branches if fused and policy != "h2o" else set()) | writes
+    appending = {"append_chunk", "judged_chunk"}  # fused: an unobserved chunk that only appends
+    assert branches == (fused_branches if fused and policy != "h2o" else set()) | writes | (
+        appending if fused else set()
+    )
     assert not any(node.op_type == "If" for node in decode.functions[0].node)
     assert "TopK" in op_types(general.functions[0].node)
     assert "TopK" not in op_types(decode.functions[0].node)
