@@ -20,6 +20,7 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
@@ -37,6 +38,23 @@ TYPES |= {"uint8": TensorProto.UINT8, "int64": TensorProto.INT64}
 
 def session(compression: Compression, threads: int) -> tuple[ort.InferenceSession, dict[str, np.ndarray]]:
     """The op in a one-node model (cpu target: fused prompt attention) and a full state of its slots."""
+    model, formal = op_model(compression)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    sess = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    # fill every slot: one chunk per capacity's worth of positions through the op itself
+    rng = np.random.default_rng(0)
+    position = 0
+    while position < compression.capacity:
+        count = min(512, compression.capacity - position)
+        formal = step(sess, formal, rng, position, count)
+        position += count
+    return sess, formal
+
+
+def op_model(compression: Compression, function=None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The op alone in a model (SmolLM2's head layout; ``function``: its body, by default the cpu target's, fused
+    prompt attention) and an empty state of its slots, by the op's input names."""
     state = reference.empty_compressed_state(HEADS.kv, compression.capacity, HEADS.dim, compression)
     f = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info(n, f, [1, h, "T", HEADS.dim]) for n, h in (("q", 9), ("k", 3), ("v", 3))]
@@ -58,19 +76,9 @@ def session(compression: Compression, threads: int) -> tuple[ort.InferenceSessio
             helper.make_opsetid(cf.DOMAIN, 1),
             helper.make_opsetid("com.microsoft", 1),
         ],
-        functions=[cf.make_function(compression, 23, HEADS, fused_attention=True)],
+        functions=[function or cf.make_function(compression, 23, HEADS, fused_attention=True)],
     )
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    sess = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    # fill every slot: one chunk per capacity's worth of positions through the op itself
-    rng = np.random.default_rng(0)
-    position = 0
-    while position < compression.capacity:
-        count = min(512, compression.capacity - position)
-        formal = step(sess, formal, rng, position, count)
-        position += count
-    return sess, formal
+    return model, formal
 
 
 def step(sess, formal, rng, start, count):
