@@ -13,6 +13,7 @@ scatter writes distinct slots. tests/kvcache/test_compressed.py runs every dtype
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import onnx
 from onnx import AttributeProto, TensorProto, helper
@@ -241,11 +242,8 @@ def make_function(
         else:
             fused = heads if fused_attention else None
             results = _general(branch, compression, scale_attr, window_attr, fused=fused)
-        graph_outputs = []
-        for name in state_outputs:
-            value = branch.op("Identity", results[name], name=f"{name}_result")
-            graph_outputs.append(helper.make_tensor_value_info(value, _output_type(compression, name), None))
-        branches[kind] = helper.make_graph(branch.nodes, f"{kind}_step", [], graph_outputs)
+        output_type = partial(_output_type, compression)
+        branches[kind] = _branch(branch, results, state_outputs, f"{kind}_step", "_result", output_type)
     b.nodes.append(
         helper.make_node(
             "If",
@@ -265,11 +263,8 @@ def _if_decode(b: Body, compression: Compression, branches: dict, body_out: dict
     for kind, write in branches.items():
         branch = Body(prefix=f"{kind[0]}_")
         results = write(branch)
-        graph_outputs = []
-        for name in outputs(compression):
-            value = branch.op("Identity", results[name], name=f"{name}_result")
-            graph_outputs.append(helper.make_tensor_value_info(value, output_type(compression, name), None))
-        graphs[kind] = helper.make_graph(branch.nodes, f"{kind}_step", [], graph_outputs)
+        typed = partial(output_type, compression)
+        graphs[kind] = _branch(branch, results, outputs(compression), f"{kind}_step", "_result", typed)
     return helper.make_node(
         "If",
         [is_decode],
@@ -277,6 +272,16 @@ def _if_decode(b: Body, compression: Compression, branches: dict, body_out: dict
         then_branch=graphs["decode"],
         else_branch=graphs["general"],
     )
+
+
+def _branch(body: Body, results: dict[str, str], names, graph_name: str, suffix: str, output_type) -> onnx.GraphProto:
+    """``body`` as an If branch whose outputs are ``results[name]`` for ``names``, in order, each through an
+    Identity named ``{name}{suffix}`` and typed ``output_type(name)``."""
+    graph_outputs = []
+    for name in names:
+        value = body.op("Identity", results[name], name=f"{name}{suffix}")
+        graph_outputs.append(helper.make_tensor_value_info(value, output_type(name), None))
+    return helper.make_graph(body.nodes, graph_name, [], graph_outputs)
 
 
 BRANCHES = {"decode": ("then_branch", "decode_step"), "general": ("else_branch", "general_step")}
@@ -563,13 +568,12 @@ def _appending(
     incoming |= {"pos": new_pos, "score": score_new}
     written = _direct_writes(append, compression, {name: name for name in names}, incoming, active, new, out)
     appended = {"out": out} | {f"{name}_out": written[name] for name in names}
-    graphs = {}
-    for kind, body, results in (("append", append, appended), ("judged", judged, judged_results)):
-        graph_outputs = []
-        for name in ("out", *(f"{name}_out" for name in names)):
-            value = body.op("Identity", results[name], name=f"{name}_chunk")
-            graph_outputs.append(helper.make_tensor_value_info(value, _output_type(compression, name), None))
-        graphs[kind] = helper.make_graph(body.nodes, f"{kind}_chunk", [], graph_outputs)
+    every = ("out", *(f"{name}_out" for name in names))
+    typed = partial(_output_type, compression)
+    graphs = {
+        kind: _branch(body, results, every, f"{kind}_chunk", "_chunk", typed)
+        for kind, body, results in (("append", append, appended), ("judged", judged, judged_results))
+    }
     condition = _appends(b, filled, active, observing, new, window_attr)
     results = {name: b.fresh(f"{name}_chunk") for name in ("out", *(f"{name}_out" for name in names))}
     b.nodes.append(
@@ -583,8 +587,7 @@ def _appending(
 def _appends(b: Body, filled: str, active: str, observing: str, new: str, window_attr: str) -> str:
     """True when the call does not observe, extends the slots (``_extends``), fits the empty slots after them,
     and no filled slot scores -inf (which the pairing would take before an empty slot; a NaN fails too)."""
-    capacity = b.shape("pos", 2)
-    room = b.op("LessOrEqual", b.op("Squeeze", b.op("Add", active, new)), b.op("Squeeze", capacity))
+    room = _room(b, active, new, b.shape("pos", 2))
     above = b.op("Or", b.op("Greater", "score", b.f32(float("-inf"))), b.op("Not", filled))
     finite = b.op("Equal", b.op("ReduceMin", b.op("Cast", above, to=TensorProto.INT64), keepdims=0), b.i64(1))
     plain = b.op("And", b.op("Not", observing), _extends(b, filled, active, window_attr))
@@ -621,12 +624,16 @@ def _writes(
             written = _direct_writes(body, compression, current, incoming, active, new, out)
         else:
             written = _paired_writes(body, compression, policy, keep, score_all, arriving, capacity, new, newest, out)
-        graph_outputs = []
-        for name in names:
-            value = body.op("Identity", written[name], name=f"{name}_written")
-            graph_outputs.append(helper.make_tensor_value_info(value, _output_type(compression, f"{name}_out"), None))
-        graphs[kind] = helper.make_graph(body.nodes, f"{kind}_writes", [], graph_outputs)
-    results = {name: b.fresh(f"{name}_written") for name in names}
+        typed = partial(_output_type, compression)
+        graphs[kind] = _branch(
+            body,
+            {f"{name}_out": value for name, value in written.items()},
+            [f"{n}_out" for n in names],
+            f"{kind}_writes",
+            "_written",
+            typed,
+        )
+    results = {name: b.fresh(f"{name}_out_written") for name in names}
     b.nodes.append(
         helper.make_node(
             "If",
@@ -646,7 +653,7 @@ def _fits_empty_slots(b: Body, filled: str, active: str, keep: str, capacity: st
     score fails the test (the pairing decides)."""
     per_head = b.op("ReduceSum", b.op("Cast", filled, to=TensorProto.INT64), b.i64([-1]), keepdims=0)
     no_holes = b.op("Equal", b.op("ReduceMin", per_head, keepdims=0), b.op("Squeeze", active))
-    room = b.op("LessOrEqual", b.op("Squeeze", b.op("Add", active, new)), b.op("Squeeze", capacity))
+    room = _room(b, active, new, capacity)
     candidates = b.op(
         "Concat",
         filled,
@@ -656,6 +663,11 @@ def _fits_empty_slots(b: Body, filled: str, active: str, keep: str, capacity: st
     above_empty = b.op("Or", b.op("Greater", keep, b.f32(float("-inf"))), b.op("Not", candidates))
     all_above = b.op("Equal", b.op("ReduceMin", b.op("Cast", above_empty, to=TensorProto.INT64), keepdims=0), b.i64(1))
     return b.op("And", b.op("And", no_holes, room), all_above)
+
+
+def _room(b: Body, active: str, new: str, capacity: str) -> str:
+    """Whether the T new tokens fit the slots after the first ``active``."""
+    return b.op("LessOrEqual", b.op("Squeeze", b.op("Add", active, new)), b.op("Squeeze", capacity))
 
 
 def _direct_writes(
