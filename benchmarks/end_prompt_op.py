@@ -6,7 +6,10 @@ profiler on: kernel milliseconds per op type, the GroupQueryAttention apart (the
     python benchmarks/end_prompt_op.py [--threads 1] [--against REV] [--rounds 3]
 
 ``--against REV``: the op's body as git revision REV wrote it (``edgec/kvcache/compressed_function.py`` there),
-beside today's, rounds interleaved in one process; both must leave the same state (checked). Results:
+beside today's, rounds interleaved in one process; both must leave the same state (checked). ``--storage
+int8,fp32``: today's body over a temporary state of each slot storage (what a prompt state kept in fp32 until
+`end` selects its slots would save). ``--plain``: also GroupQueryAttention alone over an fp32 cache bound in place
+(past and present one buffer, as the plain bundle runs it): what a plain prefill pays for the same chunks. Results:
 benchmarks/out/end_prompt_op.json. Kernel times come from the profiler (its per-node overhead included); the
 wall times from runs without it.
 """
@@ -27,7 +30,9 @@ from datetime import date
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
+from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_mixed_step  # noqa: E402
@@ -87,7 +92,49 @@ def read_prompt(sess: ort.InferenceSession, empty: dict[str, np.ndarray], feeds)
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(f"{name}_out", value)
         sess.run_with_iobinding(binding)
-    return time.perf_counter() - started, {name: value.numpy() for name, value in bound.items()}
+    seconds = time.perf_counter() - started
+    # copies: numpy() is a view of the OrtValue's memory, freed with ``bound`` when this returns
+    return seconds, {name: np.array(value.numpy(), copy=True) for name, value in bound.items()}
+
+
+def plain_model(slots: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """GroupQueryAttention alone, the plain bundle's way: past and present one [1,3,slots,64] buffer per k and v
+    (bound in place), the new chunk written at its positions by the kernel; an empty cache of ``slots``."""
+    f = TensorProto.FLOAT
+    heads = kv_mixed_step.HEADS
+    inputs = [helper.make_tensor_value_info(n, f, [1, "T", w]) for n, w in (("q", 576), ("k", 192), ("v", 192))]
+    inputs += [helper.make_tensor_value_info(n, f, [1, 3, slots, 64]) for n in ("k_cache", "v_cache")]
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1])]
+    inputs += [helper.make_tensor_value_info("total_length", TensorProto.INT32, [])]
+    outputs = [helper.make_tensor_value_info("out", f, [1, "T", 576])]
+    outputs += [helper.make_tensor_value_info(f"{n}_out", f, [1, 3, slots, 64]) for n in ("k_cache", "v_cache")]
+    node = helper.make_node(
+        "GroupQueryAttention",
+        ["q", "k", "v", "k_cache", "v_cache", "seqlens_k", "total_length"],
+        ["out", "k_cache_out", "v_cache_out"],
+        domain="com.microsoft",
+        num_heads=heads.query,
+        kv_num_heads=heads.kv,
+        scale=0.125,
+    )
+    model = helper.make_model(
+        helper.make_graph([node], "plain", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)],
+    )
+    empty = {name: np.zeros((1, 3, slots, 64), np.float32) for name in ("k_cache", "v_cache")}
+    return model, empty
+
+
+def plain_feeds(feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """The op's chunks as GroupQueryAttention takes them: [B,T,heads·D], the total length so far."""
+    plain = []
+    for chunk in feeds:
+        total = int(chunk["position_ids"][0, -1]) + 1
+        plain.append(
+            {name: np.ascontiguousarray(chunk[name].transpose(0, 2, 1, 3).reshape(1, CHUNK, -1)) for name in "qkv"}
+            | {"seqlens_k": np.array([total - 1], np.int32), "total_length": np.array(total, np.int32)}
+        )
+    return plain
 
 
 def open_session(model, threads: int, profile_prefix: str | None = None) -> ort.InferenceSession:
@@ -117,25 +164,36 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--against", help="a git revision: its op body beside today's")
+    parser.add_argument("--storage", default="int8", help="comma-separated slot storages, each its own row")
+    parser.add_argument("--plain", action="store_true", help="also GroupQueryAttention alone, in place (plain)")
     args = parser.parse_args()
-    compression = Compression(capacity=args.slots, policy="snapkv", dtype="int8")
+    storages = args.storage.split(",")
+    if args.against and len(storages) > 1:
+        parser.error("--against compares one storage")
+    compression = Compression(capacity=args.slots, policy="snapkv", dtype=storages[0])
     feeds = prompt(args.slots // CHUNK)
-    bodies = {"today": cf.make_function(compression, 23, kv_mixed_step.HEADS, fused_attention=True)}
+    # name → (model, empty state, the chunks it reads)
+    cases = {}
+    for storage in storages:
+        at = Compression(capacity=args.slots, policy="snapkv", dtype=storage)
+        function = cf.make_function(at, 23, kv_mixed_step.HEADS, fused_attention=True)
+        cases["today" if len(storages) == 1 else f"today {storage}"] = (*kv_mixed_step.op_model(at, function), feeds)
     if args.against:
-        bodies[args.against] = body_at(args.against, compression)
+        cases[args.against] = (*kv_mixed_step.op_model(compression, body_at(args.against, compression)), feeds)
+    if args.plain:
+        cases["plain GroupQueryAttention"] = (*plain_model(args.slots), plain_feeds(feeds))
     models.OUT.mkdir(parents=True, exist_ok=True)
     results, states = {}, {}
     with tempfile.TemporaryDirectory() as folder:
         runs = {}
-        for name, function in bodies.items():
-            model, empty = kv_mixed_step.op_model(compression, function)
-            runs[name] = (open_session(model, args.threads), empty)
+        for name, (model, empty, chunks) in cases.items():
+            runs[name] = (open_session(model, args.threads), empty, chunks)
             profiled = open_session(model, args.threads, str(Path(folder) / "profile"))
-            read_prompt(profiled, empty, feeds)
+            read_prompt(profiled, empty, chunks)
             results[name] = {"kernel_ms": kernel_ms(profiled), "wall_seconds": []}
         for _ in range(args.rounds):
-            for name, (sess, empty) in runs.items():
-                seconds, states[name] = read_prompt(sess, empty, feeds)
+            for name, (sess, empty, chunks) in runs.items():
+                seconds, states[name] = read_prompt(sess, empty, chunks)
                 results[name]["wall_seconds"].append(seconds)
     if args.against:
         for tensor in states["today"]:
@@ -162,6 +220,7 @@ def main() -> None:
                 "machine": f"{platform.machine()}, {args.threads} threads",
                 "command": "python " + " ".join(sys.argv),
                 "slots": args.slots,
+                "storage": storages,
                 "results": results,
             },
             indent=2,
