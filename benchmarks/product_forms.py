@@ -7,7 +7,9 @@ Two tables (docs/BENCHMARKS.md, issue 21's sixth round):
 - **Prompt rows** (one 576 → 3072 product, 512 / 1,024 / 2,048 rows, 20 copies in one graph): an fp32 MatMul
   (onnxruntime-genai fp32's form); MatMulNBits at accuracy level 1 (fp32 activations: the exact prompt products of
   edgec's ``prefill.onnx``); the same plus a Q4_1 GGUF's per-block minima as ``blocksum(x) @ offsets`` and an Add
-  (what edgec carries exactly); the minima as MatMulNBits' float zero points (``-m/d``). Each form's largest error
+  (what edgec carries exactly); the minima as MatMulNBits' float zero points (``-m/d``); MatMulNBits at accuracy
+  level 4 (int8 activations, onnxruntime-genai int4's form; the exact import would need two rows of it per
+  activation, ``passes/_weights._split_rows``). Each form's largest error
   against a float64 product of the same weights is printed beside its time.
 - **Decode rows** (every product of one SmolLM2 step, 30 layers' qkv / o / gate-up / down with distinct weights
   and the 8-bit tied lm_head, at accuracy level 4): one row of activations against two (the split activations of
@@ -27,6 +29,7 @@ BLOCK = 32
 PROMPT_K, PROMPT_N = 576, 3072
 DECODE_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30
 LM_HEAD = (576, 49152)
+LEVEL_4 = "MatMulNBits level 4"  # int8 activations: genai int4's prompt form, not exact (issue 16)
 
 
 def _session(nodes, inputs, outputs, initializers, threads: int):
@@ -85,7 +88,8 @@ def prompt_rows(rows: int, threads: int, repeats: int, copies: int = 20) -> dict
     x = rng.standard_normal((1, rows, k)).astype(np.float32)
     reference = x[0].astype(np.float64) @ weight
     results = {}
-    for form in ("fp32 MatMul", "MatMulNBits level 1", "+ Q4_1 minima as offsets", "Q4_1 minima as float zero points"):
+    forms = ("fp32 MatMul", "MatMulNBits level 1", "+ Q4_1 minima as offsets", "Q4_1 minima as float zero points")
+    for form in (*forms, LEVEL_4):
         nodes = []
         for copy in range(copies):
             out = f"y{copy}"
@@ -93,8 +97,9 @@ def prompt_rows(rows: int, threads: int, repeats: int, copies: int = 20) -> dict
                 nodes.append(helper.make_node("MatMul", ["x", "weight"], [out]))
             elif form == "Q4_1 minima as float zero points":
                 nodes.append(_nbits(out, "x", k, n, 1, ["packed", "steps", "float_zero"]))
-            elif form == "MatMulNBits level 1":
-                nodes.append(_nbits(out, "x", k, n, 1, ["packed", "steps", "no_zero"]))
+            elif form in ("MatMulNBits level 1", LEVEL_4):
+                level = 4 if form == LEVEL_4 else 1
+                nodes.append(_nbits(out, "x", k, n, level, ["packed", "steps", "no_zero"]))
             else:
                 nodes.append(_nbits(f"p{copy}", "x", k, n, 1, ["packed", "steps", "no_zero"]))
                 nodes.append(helper.make_node("MatMul", ["x", "indicator"], [f"s{copy}"]))
@@ -107,7 +112,7 @@ def prompt_rows(rows: int, threads: int, repeats: int, copies: int = 20) -> dict
             [numpy_helper.from_array(value, name) for name, value in tensors.items()],
             threads,
         )
-        exact = form != "MatMulNBits level 1"  # that form leaves the minima out on purpose (its cost alone)
+        exact = form not in ("MatMulNBits level 1", LEVEL_4)  # these leave the minima out on purpose (cost alone)
         error = float(np.abs(session.run(["y0"], {"x": x})[0][0] - reference).max()) if exact else float("nan")
         results[form] = (_best_ms(session, {"x": x}, repeats, copies), error)
     return results

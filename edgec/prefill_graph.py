@@ -3,10 +3,11 @@ from split activations (``passes/_weights._split_rows``: x as two rows of int8 a
 at the int8 kernel's speed for one decode row), the prefill graph feeds x itself to the same weights at fp32
 activations (``accuracy_level`` 1): the exact product the split approximates (within 5e-3 of logits).
 
-Why two graphs: on an AVX2 CPU ONNX Runtime's int8 kernel (level 4) is no faster than its fp32 kernel (level 1)
-for a prompt chunk of hundreds of rows (SmolLM2's 576 × 3072 product, 1,024 rows, one thread: 210 ms at level 4,
-149 ms at level 1, 143 ms as an fp32 MatMul), so the split's doubled rows made a chunk ~2.6× slower than it need
-be; for one decode row the split is what pays (level 1 decodes at ~0.3× of it). The runtime runs multi-token steps
+Why two graphs: for a prompt chunk of hundreds of rows ONNX Runtime's int8 kernel (level 4) is at most a little
+faster than its fp32 kernel (level 1) — slower on an AVX2 CPU (SmolLM2's 576 × 3072 product, 1,024 rows, one
+thread: 210 ms at level 4, 149 ms at level 1), 5–12 % faster on an AVX-512 VNNI one (docs/BENCHMARKS.md, "Ninth
+round") — so the split's doubled rows make a chunk slower than level 1 everywhere (~2.6× on the AVX2 CPU); for
+one decode row the split is what pays (level 1 decodes at ~0.3× of it). The runtime runs multi-token steps
 on ``model.prefill_file`` and one-token steps on ``model.file``, with one set of cache buffers bound to both.
 
 Each graph then holds only the branch of the compressed-cache op it runs (``_one_branch``): ``model.onnx`` the
