@@ -13,11 +13,13 @@ own fresh process. The compressed bundle uses the default ``--prefill-compress e
 then 1024 slots per head are kept) and snapkv. onnxruntime-genai pre-allocates its cache for max_length
 (prompt + 72 here) and attends over all of it.
 Results: benchmarks/out/kv_speed.json / kv_speed.png (kv_speed-subset.* with --runtimes); the printed table goes
-into docs/BENCHMARKS.md. Quick checks: ``--runtimes "edgec int4, 1024 int8 slots;onnxruntime-genai int4" --rss none
---prompt 2000``. ``--runtimes`` may also name "edgec int4 one row of int8 activations, 1024 int8 slots": the
-same cache with ``--no-split-activations`` (onnxruntime-genai int4's own arithmetic, not the exact default), and
-"edgec int4, 1024 int8 slots, chunk prefill": the same cache compressed between prompt chunks
-(``--prefill-compress chunk``: each chunk attends to the kept slots, not to the whole prompt before it).
+into docs/BENCHMARKS.md, then issue 21's targets over this run's rounds with an interval and a verdict
+(``pool_rounds.py``; pass it several runs' files to pool their rounds). Quick checks: ``--runtimes "edgec int4, 1024
+int8 slots;onnxruntime-genai int4" --rss none --prompt 2000``. ``--runtimes`` may also name "edgec int4 one row of
+int8 activations, 1024 int8 slots": the same cache with ``--no-split-activations`` (onnxruntime-genai int4's own
+arithmetic, not the exact default), and "edgec int4, 1024 int8 slots, chunk prefill": the same cache compressed
+between prompt chunks (``--prefill-compress chunk``: each chunk attends to the kept slots, not to the whole prompt
+before it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measure  # noqa: E402
 import models  # noqa: E402
+import pool_rounds  # noqa: E402
 
 OUT = models.OUT
 CONTEXT = 8192
@@ -228,6 +231,12 @@ def main() -> None:
             f"({fp16 / row['kv_bytes']:.1f}× smaller) |"
         )
     plot(results, OUT / f"{stem}.png")
+    # one run's medians hide how far its rounds spread: the targets over its rounds, with their interval
+    # (benchmarks/pool_rounds.py pools several runs' files the same way)
+    pooled = pool_rounds.pool_runs([results])
+    if pooled:
+        print(f"\nissue 21's targets over this run's {args.rounds} round(s) (~95 % interval of the geometric mean):")
+        print(pool_rounds.table(pooled))
 
 
 def _x(ratio: float | None) -> str:

@@ -110,6 +110,21 @@ def pool_runs(runs: list[dict]) -> list[Pooled]:
     return pooled
 
 
+def table(pooled: list[Pooled]) -> str:
+    """The pooled targets as a markdown table."""
+    lines = [
+        "| target | threads | rounds | pooled ratio | range | ~95 % interval | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in pooled:
+        bound = f"{'≤' if p.at_most else '≥'} {p.bound:.2f}×"
+        lines.append(
+            f"| {p.label} ({bound}) | {p.threads} | {len(p.ratios)} | {p.geomean:.3f}× | "
+            f"{min(p.ratios):.2f}–{max(p.ratios):.2f}× | {p.low:.3f}–{p.high:.3f}× | {p.verdict} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(pooled: list[Pooled], path: Path) -> None:
     import matplotlib
 
@@ -153,14 +168,7 @@ def main() -> None:
     pooled = pool_runs(runs)
     if not pooled:
         sys.exit("no paired rounds in these files (kv_speed.py results with the compressed bundle and its peers)")
-    print("| target | threads | rounds | pooled ratio | range | ~95 % interval | verdict |")
-    print("|---|---|---|---|---|---|---|")
-    for p in pooled:
-        bound = f"{'≤' if p.at_most else '≥'} {p.bound:.2f}×"
-        print(
-            f"| {p.label} ({bound}) | {p.threads} | {len(p.ratios)} | {p.geomean:.3f}× | "
-            f"{min(p.ratios):.2f}–{max(p.ratios):.2f}× | {p.low:.3f}–{p.high:.3f}× | {p.verdict} |"
-        )
+    print(table(pooled))
     commands = [run.get("command", "") for run in runs]
     args.out.write_text(json.dumps({"runs": commands, "pooled": [asdict(p) for p in pooled]}, indent=2))
     plot(pooled, args.out.with_suffix(".png"))
