@@ -62,7 +62,7 @@ class Pooled:
     at_most: bool
     ratios: list[float]
     geomean: float
-    low: float  # approximate 95 % interval of the geometric mean (equal to geomean for one round)
+    low: float  # approximate 95 % interval of the geometric mean (equal to geomean for one round: undecided)
     high: float
     verdict: str  # met / missed / undecided
 
@@ -90,7 +90,9 @@ def pool(ratios: list[float], target: Target, threads: int) -> Pooled:
     else:
         half = 0.0
     low, high = math.exp(mean - half), math.exp(mean + half)
-    if target.at_most:
+    if len(logs) < 2:  # one round has no spread to judge it by
+        verdict = "undecided"
+    elif target.at_most:
         verdict = "met" if high <= target.bound else "missed" if low > target.bound else "undecided"
     else:
         verdict = "met" if low >= target.bound else "missed" if high < target.bound else "undecided"
@@ -165,7 +167,10 @@ def main() -> None:
             runs.append(json.loads(path.read_text()))
         except (OSError, ValueError) as error:
             sys.exit(f"cannot read {path}: {error}")
-    pooled = pool_runs(runs)
+    try:
+        pooled = pool_runs(runs)
+    except (AttributeError, KeyError, TypeError, ValueError) as error:  # rounds of unequal count, a non-number
+        sys.exit(f"not kv_speed.py results with paired rounds: {error!r}")
     if not pooled:
         sys.exit("no paired rounds in these files (kv_speed.py results with the compressed bundle and its peers)")
     print(table(pooled))

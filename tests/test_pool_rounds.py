@@ -54,6 +54,7 @@ def test_verdicts_need_the_whole_interval():
     decode = pool_rounds.TARGETS[2]  # ≥ 3.00
     assert pool_rounds.pool([3.2, 3.3, 3.25], decode, 2).verdict == "met"
     assert pool_rounds.pool([1.7, 1.8, 1.75], decode, 2).verdict == "missed"
+    assert pool_rounds.pool([1.00], target, 1).verdict == "undecided"  # one round has no spread to judge
 
 
 def test_the_script_writes_a_table_json_and_plot(tmp_path):
@@ -80,3 +81,7 @@ def test_unreadable_or_unpaired_files_get_one_line(tmp_path):
     empty.write_text(json.dumps({"threads": [1], "rows": {}}))
     unpaired = subprocess.run([sys.executable, script, str(empty)], capture_output=True, text=True)
     assert unpaired.returncode != 0 and "no paired rounds" in unpaired.stderr
+    uneven = tmp_path / "uneven.json"
+    uneven.write_text(json.dumps(_run(2, [33.0, 36.0], [30.0], [33.0, 40.0])))
+    refused = subprocess.run([sys.executable, script, str(uneven)], capture_output=True, text=True)
+    assert refused.returncode != 0 and "paired rounds" in refused.stderr and "Traceback" not in refused.stderr
