@@ -257,6 +257,7 @@ def main() -> None:
         "ms": {form: seconds * 1e3 for form, seconds in best.items()},
         "max_error": largest_error,
     }
+    models.OUT.mkdir(parents=True, exist_ok=True)  # a plain clone has no benchmarks/out yet
     (models.OUT / "attention_kernels.json").write_text(json.dumps(result, indent=2))
 
 

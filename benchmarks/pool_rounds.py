@@ -175,6 +175,7 @@ def main() -> None:
         sys.exit("no paired rounds in these files (kv_speed.py results with the compressed bundle and its peers)")
     print(table(pooled))
     commands = [run.get("command", "") for run in runs]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"runs": commands, "pooled": [asdict(p) for p in pooled]}, indent=2))
     plot(pooled, args.out.with_suffix(".png"))
 

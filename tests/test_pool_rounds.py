@@ -61,7 +61,7 @@ def test_the_script_writes_a_table_json_and_plot(tmp_path):
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     first.write_text(json.dumps(_run(1, [60.0, 58.0], [56.0, 55.0], [59.0, 57.0])))
     second.write_text(json.dumps(_run(1, [57.0], [55.0], [58.0])))
-    out = tmp_path / "pooled.json"
+    out = tmp_path / "not yet" / "pooled.json"  # a plain clone has no benchmarks/out
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "pool_rounds.py"), str(first), str(second), "--out", str(out)],
         capture_output=True,
