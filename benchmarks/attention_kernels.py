@@ -109,8 +109,8 @@ def models_by_form() -> dict[str, tuple[object, list[str]]]:
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
 
     def model(nodes, inits, inputs):
-        types = {"pk8": TensorProto.INT8, "pv8": TensorProto.INT8, "seqlens": TensorProto.INT32}
-        types["total_length"] = TensorProto.INT32
+        int32 = TensorProto.INT32
+        types = {"pk8": TensorProto.INT8, "pv8": TensorProto.INT8, "seqlens": int32, "total_length": int32}
         graph_inputs = [_info(name, types.get(name, TensorProto.FLOAT)) for name in inputs]
         graph = helper.make_graph(nodes, "attention", graph_inputs, [_info("out")], inits)
         return helper.make_model(graph, opset_imports=opsets), inputs
@@ -123,7 +123,7 @@ def models_by_form() -> dict[str, tuple[object, list[str]]]:
         num_heads=HEADS,
         kv_num_heads=KV_HEADS,
     )
-    gqa_inputs = [*int8_inputs, "seqlens", "total_length"]
+    gqa_inputs = [*int8_inputs, "seqlens", "total_length"]  # the past: int8 + scales, dequantized in the graph
     forms = {"GroupQueryAttention (the op's)": model([*dequantize, gqa], dequantize_inits, gqa_inputs)}
 
     concat, concat_inits = _new_kv_heads_first()
@@ -169,21 +169,10 @@ def models_by_form() -> dict[str, tuple[object, list[str]]]:
     nodes = [*dequantize, *concat, *grouped_bias, *regroup]
     forms["MultiHeadAttention, grouped rows"] = model(nodes, inits, list(int8_inputs))
 
-    # the kernels alone on prepared inputs
-    alone = helper.make_node(
-        "MultiHeadAttention", ["q", "kh", "vh", "", "", "bias"], ["out"], domain="com.microsoft", num_heads=HEADS
-    )
-    forms["MultiHeadAttention kernel alone (keys expanded, bias given)"] = model([alone], [], ["q", "kh", "vh", "bias"])
-    gqa_alone = helper.make_node(
-        "GroupQueryAttention",
-        ["q", "k", "v", "pk", "pv", "seqlens", "total_length"],
-        ["out", "present_k", "present_v"],
-        domain="com.microsoft",
-        num_heads=HEADS,
-        kv_num_heads=KV_HEADS,
-    )
+    # the kernels alone on prepared inputs: the same nodes, fed what the forms above build
+    forms["MultiHeadAttention kernel alone (keys expanded, bias given)"] = model([mha], [], ["q", "kh", "vh", "bias"])
     alone_inputs = ["q", "k", "v", "pk", "pv", "seqlens", "total_length"]
-    forms["GroupQueryAttention kernel alone (past given)"] = model([gqa_alone], [], alone_inputs)
+    forms["GroupQueryAttention kernel alone (past given)"] = model([gqa], [], alone_inputs)
     return forms
 
 
