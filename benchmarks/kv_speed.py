@@ -197,7 +197,7 @@ def main() -> None:
         "threads": thread_counts,
         "prompt": args.prompt,
         "rows": {
-            f"{name}, {threads} thread{'s' if threads > 1 else ''}": {
+            pool_rounds.row_key(name, threads): {
                 "name": name,
                 "threads": threads,
                 "prefill_s": float(np.median([p for p, _ in runs])),

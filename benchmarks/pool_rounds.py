@@ -68,6 +68,7 @@ class Pooled:
 
 
 def row_key(name: str, threads: int) -> str:
+    """A runtime's row in kv_speed.py's results (kv_speed names its rows with this)."""
     return f"{name}, {threads} thread{'s' if threads > 1 else ''}"
 
 
