@@ -69,16 +69,20 @@ GENAI_FP32, GENAI_INT4 = "onnxruntime-genai fp32", "onnxruntime-genai int4"
 GENAI = {GENAI_FP32: "genai-fp32", GENAI_INT4: "genai-int4"}
 
 
-def prepare(names: list[str] | None = None) -> None:
-    """Build the bundles of ``names`` (default: all but the one-row variant) and the fp32 one (its tokenizer)."""
-    wanted = names or [name for name in BUNDLES if name not in OPTIONAL]
-    for name, (folder, options) in BUNDLES.items():
-        if name not in wanted and name != "edgec fp32, full fp32 cache":
-            continue
+def build_bundles(names: list[str]) -> None:
+    """Build (once) the edgec bundles of ``names`` from the SmolLM2 GGUF."""
+    for name in names:
+        folder, options = BUNDLES[name]
         path = OUT / folder
         if not (path / "manifest.json").exists():
             command = [sys.executable, "-m", "edgec.cli", "build", str(models.smollm2_gguf()), "-o", str(path)]
             subprocess.run([*command, "--context", str(CONTEXT), *options], check=True, stdout=subprocess.DEVNULL)
+
+
+def prepare(names: list[str] | None = None) -> None:
+    """Build the bundles of ``names`` (default: all but the one-row variant) and the fp32 one (its tokenizer)."""
+    wanted = names or [name for name in BUNDLES if name not in OPTIONAL]
+    build_bundles([name for name in BUNDLES if name in wanted or name == "edgec fp32, full fp32 cache"])
     for folder in GENAI.values():
         config_path = OUT / folder / "genai_config.json"
         if not config_path.exists():

@@ -1,0 +1,65 @@
+"""benchmarks/prefill_alternating.py on the tiny bundles: every phase of each prompt timed, the bundles read in
+alternation, ratios pooled against the first; bad arguments are one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgec.build import build
+from edgec.runtime import Model
+from tests.conftest import build_settings, pydoc_text
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("prefill_alternating", ROOT / "benchmarks" / "prefill_alternating.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["prefill_alternating"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory, tiny_llama):
+    out = tmp_path_factory.mktemp("alternating") / "end.edgec"
+    settings = dict(target="cpu", context=128, prefill_chunk=16, kv_capacity=24, kv_window=8, kv_dtype="int8")
+    build(tiny_llama, out, build_settings(**settings, kv_group=16))
+    return out
+
+
+def test_phases_rounds_and_pooled_ratios(tiny_bundle, compressed):
+    script = _script()
+    ids = np.asarray(Model.load(tiny_bundle).encode(pydoc_text()[:3000])[:70], np.int64)
+    samples = script.measure([tiny_bundle, compressed], ids, threads=1, rounds=3, calibrate=False)
+    assert list(samples) == [tiny_bundle.name, compressed.name] and all(len(runs) == 3 for runs in samples.values())
+    for runs in samples.values():
+        for sample in runs:
+            assert set(sample) == set(script.PHASES) and all(value >= 0 for value in sample.values())
+            parts = sample["first step"] + sample["middle steps"] + sample["last step"] + sample["selection"]
+            assert parts <= sample["total"] + 1e-6
+    # 70 tokens in 16-token steps: 5 steps; only the compressed `end` prompt selects slots afterwards
+    assert all(run["selection"] > 0 for run in samples[compressed.name])
+    result = script.summary(samples, 1.10, 1)
+    pooled = result["pooled"][compressed.name]
+    totals = [
+        (a["total"], b["total"]) for a, b in zip(samples[compressed.name], samples[tiny_bundle.name], strict=True)
+    ]
+    assert pooled["ratios"] == [round(a / b, 4) for a, b in totals]
+    assert pooled["low"] <= pooled["geomean"] <= pooled["high"]
+
+
+@pytest.mark.parametrize("args,message", [(["only-one"], "two or more bundles"), (["a", "b"], "not a bundle: .*/a$")])
+def test_bad_arguments_are_one_line(args, message, tmp_path):
+    script = _script()
+    with pytest.raises(SystemExit, match=message):
+        script.main(
+            [str(tmp_path / name) if name != "only-one" else name for name in args]
+            + ["--out", str(tmp_path / "x.json")]
+        )
