@@ -128,10 +128,13 @@ def runner(name: str, threads: int):
     return EdgecRunner(name, threads) if name in BUNDLES else GenaiRunner(name, threads)
 
 
-def prompt_ids(length: int) -> list[int]:
+def prompt_ids(length: int, bundle: Path | None = None) -> list[int]:
+    """The benchmark prompt: Pride and Prejudice from character 5000, ``length`` tokens by ``bundle``'s tokenizer
+    (default: the fp32 bundle's; every SmolLM2 bundle has the same)."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(OUT / BUNDLES["edgec fp32, full fp32 cache"][0] / "tokenizer.json"))
+    bundle = bundle or OUT / BUNDLES["edgec fp32, full fp32 cache"][0]
+    tokenizer = Tokenizer.from_file(str(bundle / "tokenizer.json"))
     return tokenizer.encode(models.austen_text()[5000:]).ids[:length]
 
 

@@ -92,7 +92,8 @@ def measure(
 
 
 def summary(samples: dict[str, list[dict[str, float]]], bound: float, threads: int) -> dict:
-    """Medians per phase, and every bundle's per-round total against the first bundle's, pooled."""
+    """Medians per phase, and every bundle's per-round total against the first bundle's, pooled
+    (``pool_rounds.Pooled`` as a dict)."""
     names = list(samples)
     medians = {
         name: {phase: statistics.median(sample[phase] for sample in runs) for phase in PHASES}
@@ -126,10 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("give two or more bundles (ratios are against the first)")
     if missing := [str(b) for b in bundles if not (b / "manifest.json").is_file()]:
         sys.exit(f"not a bundle: {missing[0]}")
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(bundles[0] / "tokenizer.json"))
-    ids = np.asarray(tokenizer.encode(models.austen_text()[5000:]).ids[: args.prompt], np.int64)
+    ids = np.asarray(kv_speed.prompt_ids(args.prompt, bundles[0]), np.int64)
     samples = measure(bundles, ids, args.threads, args.rounds)
     result = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
@@ -146,14 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|" + "---|" * len(PHASES))
     for name, medians in result["medians"].items():
         print(f"| {name} | " + " | ".join(f"{medians[phase]:.2f} s" for phase in PHASES) + " |")
-    print(f"\n| against {bundles[0].name} | rounds | pooled | range | ~95 % interval | ≤ {args.bound:.2f}× |")
-    print("|---|---|---|---|---|---|")
-    for name, entry in result["pooled"].items():
-        ratios = entry["ratios"]
-        print(
-            f"| {name} | {len(ratios)} | {entry['geomean']:.3f}× | {min(ratios):.2f}–{max(ratios):.2f}× | "
-            f"{entry['low']:.3f}–{entry['high']:.3f}× | {entry['verdict']} |"
-        )
+    print()
+    print(pool_rounds.table([pool_rounds.Pooled(**entry) for entry in result["pooled"].values()]))
 
 
 if __name__ == "__main__":
