@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -366,7 +365,7 @@ def main() -> None:
     results = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores",
+        "machine": measure.machine(),
         "threads": args.threads,
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,

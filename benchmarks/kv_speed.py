@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 from datetime import date
@@ -200,7 +198,7 @@ def main() -> None:
     results = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
+        "machine": measure.machine(),
         "threads": thread_counts,
         "prompt": args.prompt,
         "rows": {

@@ -8,6 +8,14 @@ from edgec.bench import peak_rss_bytes, time_bundle
 from edgec.bench import time_genai as _time_genai
 
 
+def machine() -> str:
+    """What a result was measured on: the CPU model (the same box family can differ by 2x between CPU makes, and
+    ratios against onnxruntime-genai move with it), the usable cores and ONNX Runtime's version."""
+    from edgec.runtime.calibration import machine_key
+
+    return machine_key().replace(" | ", ", ")
+
+
 def peak_rss_gb() -> float:
     """This process's peak RSS (VmHWM: unlike ru_maxrss it is not inherited from the parent across fork/exec)."""
     return peak_rss_bytes() / 2**30

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_speed  # noqa: E402
 import models  # noqa: E402
 import pool_rounds  # noqa: E402
+from measure import machine  # noqa: E402
 
 PHASES = ("total", "first step", "middle steps", "last step", "selection")
 
@@ -132,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
+        "machine": machine(),
         "threads": args.threads,
         "prompt": len(ids),
         "samples": samples,

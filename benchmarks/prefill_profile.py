@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -30,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_speed  # noqa: E402
+import measure  # noqa: E402
 
 BUNDLES = (kv_speed.PLAIN_INT4, kv_speed.COMPRESSED)
 
@@ -142,7 +141,7 @@ def main() -> None:
     print(f"compressed / plain prefill: {compressed / plain:.3f}")
     record = {
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, {args.threads} threads",
+        "machine": f"{measure.machine()}, {args.threads} threads",
         "command": "python " + " ".join(sys.argv),
         "prompt_tokens": len(ids),
         "results": results,
