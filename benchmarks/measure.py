@@ -9,8 +9,8 @@ from edgec.bench import time_genai as _time_genai
 
 
 def machine() -> str:
-    """What a result was measured on: the CPU model (the same box family can differ by 2x between CPU makes, and
-    ratios against onnxruntime-genai move with it), the usable cores and ONNX Runtime's version."""
+    """What a result was measured on: the CPU model (ratios against onnxruntime-genai differ between CPU makes:
+    docs/BENCHMARKS.md, issue 21's eleventh round), the cores this process may use and ONNX Runtime's version."""
     from edgec.runtime.calibration import machine_key
 
     return machine_key().replace(" | ", ", ")
