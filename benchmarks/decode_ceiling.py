@@ -68,19 +68,24 @@ def main() -> None:
             latest = ", ".join(f"{name} {values[-1]:.1f} ms" for name, values in steps.items())
             print(f"{threads} thread(s), round {round_index}: {latest}", flush=True)
         del runners
-        paired = list(zip(steps["genai"], steps["compressed"], steps["floor"], steps["short"], strict=True))
+        # one dict per round: the four steps that ran back to back in it
+        paired = [dict(zip(steps, values, strict=True)) for values in zip(*steps.values(), strict=True)]
+
+        def median(per_round, paired=paired) -> float:
+            return float(np.median([per_round(r) for r in paired]))
+
         rows[threads] = {
             "steps_ms": {name: [round(s, 2) for s in values] for name, values in steps.items()},
             "genai_int4_ms": float(np.median(steps["genai"])),
             "compressed_ms": float(np.median(steps["compressed"])),
             "floor_ms": float(np.median(steps["floor"])),
             "compressed_short_ms": float(np.median(steps["short"])),
-            "compressed_vs_genai_int4": float(np.median([g / c for g, c, _, _ in paired])),
-            "ceiling_vs_genai_int4": float(np.median([g / f for g, _, f, _ in paired])),
-            "cache_cost_ms": float(np.median([c - f for _, c, f, _ in paired])),
+            "compressed_vs_genai_int4": median(lambda r: r["genai"] / r["compressed"]),
+            "ceiling_vs_genai_int4": median(lambda r: r["genai"] / r["floor"]),
+            "cache_cost_ms": median(lambda r: r["compressed"] - r["floor"]),
             # the op's nodes at ~64 slots (per-node work), and what the full slots add to it
-            "op_nodes_ms": float(np.median([s - f for _, _, f, s in paired])),
-            "slot_reads_ms": float(np.median([c - s for _, c, _, s in paired])),
+            "op_nodes_ms": median(lambda r: r["short"] - r["floor"]),
+            "slot_reads_ms": median(lambda r: r["compressed"] - r["short"]),
         }
     results = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
