@@ -1,0 +1,95 @@
+"""benchmarks/gqa_native_ceiling.py's prototype computes what it claims: GroupQueryAttention over int8 slots with
+per-channel scales gives the plain bundle's logits over the same dequantized slots, and the eviction tail writes the
+token (quantized as the kernel quantizes it) into the slot its scores pick, never a sink or a recent one."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+ROOT = Path(__file__).resolve().parent.parent
+CAPACITY, SINK, WINDOW, DECAY = 16, 2, 4, 0.99
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("gqa_native_ceiling", ROOT / "benchmarks" / "gqa_native_ceiling.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gqa_native_ceiling"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prototype_attends_like_the_plain_graph_and_evicts_the_weakest_slot(tiny_bundle, tmp_path):
+    script = _script()
+    prototype = script.session(
+        script.native_graph(tiny_bundle / "model.onnx", CAPACITY, sink=SINK, window=WINDOW, decay=DECAY), 1, tmp_path
+    )
+    plain = ort.InferenceSession(str(tiny_bundle / "model.onnx"), providers=["CPUExecutionProvider"])
+    caches = sorted({v.name.rsplit(".", 1)[0] for v in plain.get_inputs() if v.name.startswith("cache.")})
+    shape = next(v.shape for v in plain.get_inputs() if v.name == f"{caches[0]}.k")
+    kv_heads, context, head_dim = shape[1], shape[2], shape[3]
+    query_per_kv = 2  # the tiny Llama: 4 query heads over 2 KV heads
+    rng = np.random.default_rng(3)
+    token = {"input_ids": np.array([[7]], np.int64), "position_ids": np.array([[CAPACITY]], np.int64)}
+    token["logits_index"] = np.array([0], np.int64)
+    native_feeds, plain_feeds = dict(token), dict(token)
+    slots = {}
+    for cache in caches:
+        layer = cache.split(".")[1]
+        for kind in ("k", "v"):
+            slots[layer, kind] = rng.integers(-127, 128, (1, kv_heads, CAPACITY, head_dim)).astype(np.int8)
+            native_feeds[f"{cache}.{kind}"] = slots[layer, kind]
+            plain_feeds[f"{cache}.{kind}"] = np.zeros((1, kv_heads, context, head_dim), np.float32)
+        native_feeds[f"pos.{layer}"] = np.broadcast_to(np.arange(CAPACITY), (1, kv_heads, CAPACITY)).copy()
+        native_feeds[f"score.{layer}"] = rng.uniform(0.0, 1.0, (1, kv_heads, CAPACITY)).astype(np.float32)
+    # Per-channel scales that hold the token's own rows exactly (x / scale = ±100), so that the kernel's
+    # quantization of the token changes nothing and the plain graph's logits are the reference: a layer's new rows
+    # depend only on the layers below it, so the scales are fixed layer by layer, the plain graph rerun each time.
+    plain_names = [o.name for o in plain.get_outputs()]
+    for cache in caches:
+        reference = dict(zip(plain_names, plain.run(None, plain_feeds), strict=True))
+        layer = cache.split(".")[1]
+        for kind in ("k", "v"):
+            row = np.abs(reference[f"new_{cache}.{kind}"][0, :, CAPACITY])[:, None, :]  # [Hkv, 1, D]
+            scale = np.where(row > 1e-6, row / 100, 1.0).astype(np.float32)
+            native_feeds[f"scale.{layer}.{kind}"] = scale
+            plain_feeds[f"{cache}.{kind}"][:, :, :CAPACITY] = slots[layer, kind] * scale  # positions 0..C-1
+            slots[layer, kind] = (slots[layer, kind], scale)
+    names = [o.name for o in prototype.get_outputs()]
+    native = dict(zip(names, prototype.run(None, native_feeds), strict=True))
+    reference = dict(zip(plain_names, plain.run(None, plain_feeds), strict=True))
+
+    np.testing.assert_allclose(native["logits"], reference["logits"], rtol=1e-4, atol=1e-4)
+    for cache in caches:
+        layer = cache.split(".")[1]
+        pos, score = native_feeds[f"pos.{layer}"][0], native_feeds[f"score.{layer}"][0]
+        new_pos, new_score = native[f"new_pos.{layer}"][0], native[f"new_score.{layer}"][0]
+        for head in range(kv_heads):
+            weakest = int(np.flatnonzero(new_pos[head] == CAPACITY)[0])  # the slot that took the token
+            assert SINK <= pos[head, weakest] <= CAPACITY - WINDOW  # neither a sink nor a recent slot
+            for kind in ("k", "v"):
+                codes, scale = slots[layer, kind]
+                written = native[f"new_{cache}.{kind}"][0, head]
+                untouched = np.delete(np.arange(CAPACITY), weakest)
+                np.testing.assert_array_equal(written[untouched], codes[0, head, untouched])
+                # the token as the kernel quantizes it: round(x / scale), x the plain graph's new row
+                arriving = reference[f"new_{cache}.{kind}"][0, head, CAPACITY] / scale[head, 0]
+                np.testing.assert_array_equal(written[weakest], np.clip(np.round(arriving), -128, 127))
+            # scores: the kept slots gained their probabilities; the probabilities of one KV head's query heads
+            # sum to their count, which gives the weakest slot's before it was replaced
+            others = np.delete(np.arange(CAPACITY), weakest)
+            gained = new_score[head, others] - DECAY * score[head, others]
+            assert (gained >= -1e-6).all()
+            token_share = new_score[head, weakest]
+            weakest_share = query_per_kv - gained.sum() - token_share
+            assert -1e-4 <= weakest_share <= query_per_kv
+            updated = DECAY * score[head].copy()
+            updated[others] += gained
+            updated[weakest] += weakest_share
+            free = (pos[head] >= SINK) & (pos[head] <= CAPACITY - WINDOW)
+            assert updated[weakest] <= updated[free].min() + 1e-5
