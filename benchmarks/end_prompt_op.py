@@ -9,7 +9,8 @@ profiler on: kernel milliseconds per op type, the GroupQueryAttention apart (the
 beside today's, rounds interleaved in one process; both must leave the same state (checked). ``--storage
 int8,fp32``: today's body over a temporary state of each slot storage (what a prompt state kept in fp32 until
 `end` selects its slots would save). ``--plain``: also GroupQueryAttention alone over an fp32 cache bound in place
-(past and present one buffer, as the plain bundle runs it): what a plain prefill pays for the same chunks. Results:
+(past and present one buffer, as the plain bundle runs it): what a plain prefill pays for the same chunks.
+``--native``: the same over int8 slots with per-channel scales (benchmarks/gqa_native_ceiling.py). Results:
 benchmarks/out/end_prompt_op.json. Kernel times come from the profiler (its per-node overhead included); the
 wall times from runs without it.
 """
@@ -97,31 +98,43 @@ def read_prompt(sess: ort.InferenceSession, empty: dict[str, np.ndarray], feeds)
     return seconds, {name: np.array(value.numpy(), copy=True) for name, value in bound.items()}
 
 
-def plain_model(slots: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def plain_model(slots: int, native: bool = False) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """GroupQueryAttention alone, the plain bundle's way: past and present one [1,3,slots,64] buffer per k and v
-    (bound in place), the new chunk written at its positions by the kernel; an empty cache of ``slots``."""
+    (bound in place), the new chunk written at its positions by the kernel; an empty cache of ``slots``.
+    ``native``: the buffers int8 with per-channel scales (the kernel quantizes each chunk into them and reads them
+    itself: benchmarks/gqa_native_ceiling.py's format), constant scales of 0.05."""
     f = TensorProto.FLOAT
+    cache_type = TensorProto.INT8 if native else f
     heads = kv_mixed_step.HEADS
     inputs = [helper.make_tensor_value_info(n, f, [1, "T", w]) for n, w in (("q", 576), ("k", 192), ("v", 192))]
-    inputs += [helper.make_tensor_value_info(n, f, [1, 3, slots, 64]) for n in ("k_cache", "v_cache")]
+    inputs += [helper.make_tensor_value_info(n, cache_type, [1, 3, slots, 64]) for n in ("k_cache", "v_cache")]
     inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1])]
     inputs += [helper.make_tensor_value_info("total_length", TensorProto.INT32, [])]
     outputs = [helper.make_tensor_value_info("out", f, [1, "T", 576])]
-    outputs += [helper.make_tensor_value_info(f"{n}_out", f, [1, 3, slots, 64]) for n in ("k_cache", "v_cache")]
+    shape = [1, 3, slots, 64]
+    outputs += [helper.make_tensor_value_info(f"{n}_out", cache_type, shape) for n in ("k_cache", "v_cache")]
+    names = ["q", "k", "v", "k_cache", "v_cache", "seqlens_k", "total_length"]
+    quantized, scales = {}, []
+    if native:
+        names += [""] * 5 + ["channel_scale", "channel_scale"]
+        quantized = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
+        scales = [onnx.numpy_helper.from_array(np.full((3, 1, 64), 0.05, np.float32), "channel_scale")]
     node = helper.make_node(
         "GroupQueryAttention",
-        ["q", "k", "v", "k_cache", "v_cache", "seqlens_k", "total_length"],
+        names,
         ["out", "k_cache_out", "v_cache_out"],
         domain="com.microsoft",
         num_heads=heads.query,
         kv_num_heads=heads.kv,
         scale=0.125,
+        **quantized,
     )
     model = helper.make_model(
-        helper.make_graph([node], "plain", inputs, outputs),
+        helper.make_graph([node], "plain", inputs, outputs, scales),
         opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)],
     )
-    empty = {name: np.zeros((1, 3, slots, 64), np.float32) for name in ("k_cache", "v_cache")}
+    storage = np.int8 if native else np.float32
+    empty = {name: np.zeros((1, 3, slots, 64), storage) for name in ("k_cache", "v_cache")}
     return model, empty
 
 
@@ -166,6 +179,9 @@ def main() -> None:
     parser.add_argument("--against", help="a git revision: its op body beside today's")
     parser.add_argument("--storage", default="int8", help="comma-separated slot storages, each its own row")
     parser.add_argument("--plain", action="store_true", help="also GroupQueryAttention alone, in place (plain)")
+    parser.add_argument(
+        "--native", action="store_true", help="also GroupQueryAttention alone over int8 per-channel slots, in place"
+    )
     args = parser.parse_args()
     storages = args.storage.split(",")
     if args.against and len(storages) > 1:
@@ -182,6 +198,8 @@ def main() -> None:
         cases[args.against] = (*kv_mixed_step.op_model(compression, body_at(args.against, compression)), feeds)
     if args.plain:
         cases["plain GroupQueryAttention"] = (*plain_model(args.slots), plain_feeds(feeds))
+    if args.native:
+        cases["GroupQueryAttention, int8 per-channel slots"] = (*plain_model(args.slots, True), plain_feeds(feeds))
     models.OUT.mkdir(parents=True, exist_ok=True)
     results, states = {}, {}
     with tempfile.TemporaryDirectory() as folder:
