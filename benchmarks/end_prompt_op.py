@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_mixed_step  # noqa: E402
+import measure  # noqa: E402
 import models  # noqa: E402
 
 from edgec.kvcache import compressed_function as cf  # noqa: E402
@@ -235,7 +235,7 @@ def main() -> None:
         json.dumps(
             {
                 "date": date.today().isoformat(),
-                "machine": f"{platform.machine()}, {args.threads} threads",
+                "machine": f"{measure.machine()}, {args.threads} threads",
                 "command": "python " + " ".join(sys.argv),
                 "slots": args.slots,
                 "storage": storages,

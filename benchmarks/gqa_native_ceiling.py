@@ -23,7 +23,8 @@ full random slots: the compressed bundle's own graph (``today's op``: the runner
 Python), the prototype, and the plain int4 graph at position 64 (the floor). The prototype's projected ratio is
 ``genai step / (prototype step + the runner's overhead over today's graph)``.
 
-Results: benchmarks/out/gqa_native_ceiling.json; the printed table goes into docs/BENCHMARKS.md.
+Results: benchmarks/out/gqa_native_ceiling.json and .png (``--plot-only`` redraws it from the json); the printed
+table goes into docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -239,7 +240,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from the saved results")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(RESULTS.read_text()), RESULTS.with_suffix(".png"))
+        return
     thread_counts = [int(t) for t in args.threads.split(",")]
     names = [kv_speed.GENAI_INT4, kv_speed.COMPRESSED, kv_speed.PLAIN_INT4]
     kv_speed.prepare(names)
@@ -297,6 +302,7 @@ def main() -> None:
         "rows": rows,
     }
     RESULTS.write_text(json.dumps(results, indent=2))
+    plot(results, RESULTS.with_suffix(".png"))
     print(
         "| threads | genai int4 | compressed bundle (runner) | today's op graph | prototype graph | floor graph "
         "| runner vs genai int4 | prototype vs today's graph | **projected vs genai int4** "
@@ -310,6 +316,39 @@ def main() -> None:
             f"{row['prototype_vs_today']:.2f}× | **{row['projected_vs_genai_int4']:.2f}×** | "
             f"{row['today_cache_cost_ms']:.1f} → {row['prototype_cache_cost_ms']:.1f} ms |"
         )
+
+
+def plot(results: dict, path: Path) -> None:
+    """Per thread count: genai int4's step, the compressed bundle's, the prototype's and the floor's as bars, the
+    achieved and projected ratios written above them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    kinds = [
+        ("genai_ms", f"onnxruntime-genai int4, prompt {results['prompt']}"),
+        ("runner_ms", f"edgec int4 + {results['capacity']} int8 slots (today's format)"),
+        ("prototype_ms", "prototype: GroupQueryAttention over int8 per-channel slots + eviction tail"),
+        ("floor_ms", "edgec int4, position 64 (the floor)"),
+    ]
+    figure, axis = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(kinds)
+    for index, (key, label) in enumerate(kinds):
+        positions = [t + (index - (len(kinds) - 1) / 2) * width for t in range(len(rows))]
+        axis.bar(positions, [row[key] for row in rows.values()], width, label=label, color=f"C{index}")
+    for t, row in enumerate(rows.values()):
+        note = f"today {row['runner_vs_genai_int4']:.2f}×, prototype {row['projected_vs_genai_int4']:.2f}×"
+        axis.annotate(note, (t, row["genai_ms"]), ha="center", va="bottom", xytext=(0, 4), textcoords="offset points")
+    axis.set_xticks(range(len(rows)), [f"{t} thread{'s' if int(t) > 1 else ''}" for t in rows])
+    axis.set_ylabel("ms per decode step (lower is better)")
+    axis.legend(loc="upper right", fontsize=8)
+    axis.set_ylim(0, max(row["genai_ms"] for row in rows.values()) * 1.4)
+    title = f"Decode vs genai int4: a natively read cache ({results['machine']}, {results['date']})"
+    axis.set_title(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -93,3 +93,64 @@ def test_prototype_attends_like_the_plain_graph_and_evicts_the_weakest_slot(tiny
             updated[weakest] += weakest_share
             free = (pos[head] >= SINK) & (pos[head] <= CAPACITY - WINDOW)
             assert updated[weakest] <= updated[free].min() + 1e-5
+
+
+def test_static_cache_mode_writes_the_token_after_the_filled_slots():
+    """What docs/kv-cache.md's sketch of the native format relies on: with a past buffer one row longer than the
+    slots and ``seqlens_k`` = the filled slots, GroupQueryAttention writes the token (quantized per channel) into
+    row ``seqlens_k``, attends over rows [0, seqlens_k] only, and gives the rows after it probability 0."""
+    from onnx import TensorProto, helper
+
+    heads, kv_heads, dim, rows, filled, step = 4, 2, 16, 9, 5, 0.05
+    names = ["q", "k", "v", "past_k", "past_v", "seqlens", "total", "", "", "", "", "", "scale", "scale"]
+    node = helper.make_node(
+        "GroupQueryAttention",
+        names,
+        ["out", "present_k", "present_v", "probs"],
+        domain="com.microsoft",
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        scale=0.25,
+        k_quant_type="PER_CHANNEL",
+        v_quant_type="PER_CHANNEL",
+        kv_cache_bit_width=8,
+        qk_output=2,
+    )
+    f, i8 = TensorProto.FLOAT, TensorProto.INT8
+    inputs = [
+        helper.make_tensor_value_info("q", f, [1, 1, heads * dim]),
+        helper.make_tensor_value_info("k", f, [1, 1, kv_heads * dim]),
+        helper.make_tensor_value_info("v", f, [1, 1, kv_heads * dim]),
+        helper.make_tensor_value_info("past_k", i8, [1, kv_heads, rows, dim]),
+        helper.make_tensor_value_info("past_v", i8, [1, kv_heads, rows, dim]),
+        helper.make_tensor_value_info("seqlens", TensorProto.INT32, [1]),
+        helper.make_tensor_value_info("total", TensorProto.INT32, []),
+        helper.make_tensor_value_info("scale", f, [kv_heads, 1, dim]),
+    ]
+    outputs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(node.output, (f, i8, i8, f), strict=True)]
+    model = helper.make_model(
+        helper.make_graph([node], "static", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+    )
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    widths = {"q": heads, "k": kv_heads, "v": kv_heads}
+    feeds = {name: rng.standard_normal((1, 1, width * dim), np.float32) for name, width in widths.items()}
+    feeds |= {name: rng.integers(-100, 101, (1, kv_heads, rows, dim)).astype(np.int8) for name in ("past_k", "past_v")}
+    feeds |= {"seqlens": np.array([filled], np.int32), "total": np.array(rows, np.int32)}
+    feeds["scale"] = np.full((kv_heads, 1, dim), step, np.float32)
+    out, present_k, present_v, probs = sess.run(None, feeds)
+    for present, name in ((present_k, "k"), (present_v, "v")):
+        np.testing.assert_array_equal(present[0, :, :filled], feeds[f"past_{name}"][0, :, :filled])
+        token = np.clip(np.round(feeds[name].reshape(kv_heads, dim) / step), -128, 127)
+        np.testing.assert_array_equal(present[0, :, filled], token)
+    keys = present_k[0, :, : filled + 1].astype(np.float32) * step
+    values = present_v[0, :, : filled + 1].astype(np.float32) * step
+    queries = feeds["q"].reshape(heads, dim)
+    for head in range(heads):
+        scores = 0.25 * keys[head // 2] @ queries[head]
+        expected = np.exp(scores - scores.max())
+        expected /= expected.sum()
+        np.testing.assert_allclose(probs[0, head, 0, : filled + 1], expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out.reshape(heads, dim)[head], expected @ values[head // 2], rtol=1e-5, atol=1e-5)
+    assert (probs[0, :, 0, filled + 1 :] == 0).all()
