@@ -408,14 +408,17 @@ def _open_reference(path: Path, threads: int | None):
 
 
 def machine() -> dict[str, Any]:
+    """What an eval or bench report was measured on; the CPU model too, since speed ratios against other runtimes
+    move with it (docs/BENCHMARKS.md, issue 21's eleventh round)."""
     import onnxruntime
 
-    from edgec.runtime.calibration import usable_cpus
+    from edgec.runtime.calibration import cpu_model, usable_cpus
 
     cores = usable_cpus()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {
         "platform": f"{platform.system()} {platform.machine()}",
+        "cpu": cpu_model(),
         "cores": cores,
         "load_average": round(load, 2) if load is not None else None,
         "onnxruntime": onnxruntime.__version__,

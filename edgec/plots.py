@@ -28,7 +28,8 @@ def _pyplot():
 
 def _caption(report: dict[str, Any]) -> str:
     machine = report["machine"]
-    return f"{machine['platform']}, {machine['cores']} cores (load {machine['load_average']}), {report['date']}"
+    cpu = machine.get("cpu", machine["platform"])  # reports written before the CPU model was recorded
+    return f"{cpu}, {machine['cores']} cores (load {machine['load_average']}), {report['date']}"
 
 
 def eval_plots(report: dict[str, Any], folder: Path) -> list[Path]:

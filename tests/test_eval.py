@@ -89,7 +89,7 @@ def _is_png(path) -> tuple[int, int]:
 def test_the_report_schema_the_table_and_the_pngs(report, bundles):
     data = report["json"]
     assert {"date", "machine", "text", "reference", "settings", "bundles"} <= set(data)
-    assert data["machine"]["cores"] >= 1 and data["reference"]["kind"] == "bundle"
+    assert data["machine"]["cores"] >= 1 and data["machine"]["cpu"] and data["reference"]["kind"] == "bundle"
     assert [b["name"] for b in data["bundles"]] == ["plain.edgec", "kv64.edgec", "other.edgec"]
     for bundle in data["bundles"]:
         assert set(bundle) >= {"name", "path", "context", "weights", "cache", "perplexity", "passkey"}

@@ -95,19 +95,22 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's first "model name"; else what ``platform`` knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_key() -> str:
     """What a measurement depends on besides the bundle: the CPU, the cores this process may use, ONNX Runtime."""
     import onnxruntime
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu} | {usable_cpus()} cpus | onnxruntime {onnxruntime.__version__}"
+    return f"{cpu_model()} | {usable_cpus()} cpus | onnxruntime {onnxruntime.__version__}"
 
 
 def candidates(cpus: int) -> list[Setting]:
