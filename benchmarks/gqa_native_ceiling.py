@@ -92,7 +92,9 @@ def native_graph(plain_model: Path, capacity: int, sink: int = SINK, window: int
         helper.make_node("Sub", ["position_ids", shared["window"]], ["native.lowest"]),
         helper.make_node("Expand", ["position_ids", heads], ["native.new_pos"]),
     ]
-    del graph.output[1:]  # logits stay; every state output is re-added below
+    kept = [output for output in graph.output if not output.name.startswith("new_cache.")]
+    del graph.output[:]  # the logits stay; every state output is added again below
+    graph.output.extend(kept)
     for node in graph.node:
         nodes.append(node)
         if node.op_type != "GroupQueryAttention":

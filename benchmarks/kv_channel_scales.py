@@ -112,7 +112,7 @@ def main() -> None:
 
     folder = models.smollm2_hf_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     storage = Storage()
     original = modeling_llama.eager_attention_forward
