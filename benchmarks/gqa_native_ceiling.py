@@ -38,12 +38,15 @@ from pathlib import Path
 
 import numpy as np
 
+from edgec.kvcache.compression import Compression
+from edgec.kvcache.policies import snapkv
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_speed  # noqa: E402
 import measure  # noqa: E402
 
 CAPACITY = 1024
-SINK, WINDOW, DECAY = 4, 32, 0.99  # the compressed bundle's defaults (edgec.kvcache.spec, snapkv)
+SINK, WINDOW, DECAY = Compression.sink, Compression.window, snapkv.DECAY  # the compressed bundle's defaults
 FLOOR_POSITION = 64
 RESULTS = kv_speed.OUT / "gqa_native_ceiling.json"
 
