@@ -17,7 +17,9 @@ storage's own error):
   per-channel scale could do on this text).
 
 Reported per storage: perplexity, its change against fp32 storage, the mean KL of the next-token distributions
-against fp32 storage, and how many of the stored values were clipped. Results: benchmarks/out/kv_channel_scales.json;
+against fp32 storage, and how many of the stored values were clipped. ``--passkeys``: also the six passkey prompts
+of benchmarks/kv_passkey.py (~3,500 tokens, two keys at three depths), every token kept: how many keys stay the
+top-1 continuation and the keys' mean log-probability, per storage. Results: benchmarks/out/kv_channel_scales.json;
 the printed table goes into docs/BENCHMARKS.md.
 """
 
@@ -102,6 +104,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--calibration-tokens", type=int, default=2048)
     parser.add_argument("--headrooms", default="1.0,1.25,1.5")
+    parser.add_argument("--passkeys", action="store_true", help="also the passkey prompts of kv_passkey.py")
     args = parser.parse_args()
 
     import pydoc_data.topics
@@ -141,8 +144,27 @@ def main() -> None:
         kl = (reference.exp() * (reference - scored)).sum(-1).mean()
         row = {"storage": name, "perplexity": float(nll.exp()), "kl_vs_fp32": float(kl)}
         row["clipped_fraction"] = storage.clipped / storage.values if storage.values else 0.0
+        if cases:
+            row |= passkeys()
         print(row, flush=True)
         return row
+
+    cases = []
+    if args.passkeys:
+        import kv_passkey
+        from tokenizers import Tokenizer
+
+        cases = kv_passkey.prompts(Tokenizer.from_file(str(folder / "tokenizer.json")), 3500)
+
+    def passkeys() -> dict:
+        """Every passkey prompt teacher-forced through its answer: keys still top-1, mean key log-probability."""
+        found, key_logprobs = 0, []
+        for _, _, context, answer in cases:
+            scored = logprobs(torch.tensor([context + answer]))[len(context) - 1 :]
+            target = torch.tensor(answer)
+            key_logprobs.append(float(scored.gather(1, target[:, None]).sum()))
+            found += bool((scored.argmax(-1) == target).all())
+        return {"passkeys_top1": found, "passkey_cases": len(cases), "passkey_logprob": key_logprobs}
 
     rows = [score("fp32 (no quantization)")]
     storage.mode = "group"
@@ -192,13 +214,19 @@ def main() -> None:
         "rows": rows,
     }
     RESULTS.write_text(json.dumps(results, indent=2))
-    print(f"| storage of k (after RoPE) and v, {window.shape[1]} tokens | perplexity | vs fp32 | mean KL | clipped |")
-    print("|---|---|---|---|---|")
+    keys = " | passkeys top-1 | mean key log-prob" if cases else ""
+    head = f"| storage of k (after RoPE) and v, {window.shape[1]} tokens | perplexity | vs fp32 | mean KL | clipped"
+    print(f"{head}{keys} |")
+    print("|---|---|---|---|---|" + ("---|---|" if cases else ""))
     for row in rows:
         change = (row["perplexity"] / fp32 - 1) * 100
+        found = ""
+        if cases:
+            mean = sum(row["passkey_logprob"]) / len(cases)
+            found = f" {row['passkeys_top1']}/{row['passkey_cases']} | {mean:.3f} |"
         print(
             f"| {row['storage']} | {row['perplexity']:.3f} | {change:+.2f} % | {row['kl_vs_fp32']:.2e} | "
-            f"{row['clipped_fraction'] * 100:.3f} % |"
+            f"{row['clipped_fraction'] * 100:.3f} % |{found}"
         )
 
 
