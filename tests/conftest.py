@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -35,6 +36,21 @@ TINY_LLAMA = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def benchmark_script(name: str):
+    """benchmarks/NAME.py imported as the module NAME: the benchmarks folder on sys.path (the scripts import their
+    siblings) and the module registered before it runs (dataclasses look their module up by name)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_settings(**values):

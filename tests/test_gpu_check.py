@@ -4,7 +4,6 @@ Runtime's CPU provider; the check's measurement of a TensorRT-RTX bundle through
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_llama_folder
+from tests.conftest import benchmark_script, make_llama_folder
 
 try:  # the stand-ins of tensorrt_rtx and the CUDA runtime (tests/fakes), with their fixtures
     from tests.test_tensorrt_rtx_runtime import _register, fake_gpu, rtx_bundle  # noqa: F401
@@ -25,16 +24,8 @@ except pytest.skip.Exception:  # that module skips itself without tensorrt-rtx (
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-check = _script("gpu_check")
-prepare = _script("gpu_prepare")
+check = benchmark_script("gpu_check")
+prepare = benchmark_script("gpu_prepare")
 
 H200 = check.Gpu("NVIDIA H200", (9, 0), 143771, "580.159.03")
 RTX3060 = check.Gpu("NVIDIA GeForce RTX 3060", (8, 6), 12288)

@@ -4,28 +4,16 @@ token (quantized as the kernel quantizes it) into the slot its scores pick, neve
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import onnxruntime as ort
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import benchmark_script
+
 CAPACITY, SINK, WINDOW, DECAY = 16, 2, 4, 0.99
 
 
-def _script():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("gqa_native_ceiling", ROOT / "benchmarks" / "gqa_native_ceiling.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gqa_native_ceiling"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_prototype_attends_like_the_plain_graph_and_evicts_the_weakest_slot(tiny_bundle, tmp_path):
-    script = _script()
+    script = benchmark_script("gqa_native_ceiling")
     prototype = script.session(
         script.native_graph(tiny_bundle / "model.onnx", CAPACITY, sink=SINK, window=WINDOW, decay=DECAY), 1, tmp_path
     )

@@ -4,26 +4,14 @@ and channel)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("kv_channel_scales", ROOT / "benchmarks" / "kv_channel_scales.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import benchmark_script
 
 
 def test_group_storage_matches_the_caches_int8_rounding():
-    script = _script()
+    script = benchmark_script("kv_channel_scales")
     x = torch.randn(1, 3, 5, 64, generator=torch.Generator().manual_seed(0))
     stored = script.group_int8(x).numpy()
     groups = x.numpy().reshape(1, 3, 5, 2, 32)
@@ -34,7 +22,7 @@ def test_group_storage_matches_the_caches_int8_rounding():
 
 
 def test_channel_storage_rounds_per_channel_and_counts_what_it_clips():
-    script = _script()
+    script = benchmark_script("kv_channel_scales")
     scale = torch.full((2, 1, 4), 0.1)
     scale[1, 0, 3] = 0.01
     x = torch.zeros(1, 2, 3, 4)
@@ -52,7 +40,7 @@ def test_channel_storage_rounds_per_channel_and_counts_what_it_clips():
 
 
 def test_calibration_records_the_largest_magnitude_per_head_and_channel():
-    script = _script()
+    script = benchmark_script("kv_channel_scales")
     storage = script.Storage()
     storage.mode = "record"
     first = torch.zeros(1, 2, 3, 4)
@@ -72,7 +60,7 @@ def test_calibration_records_the_largest_magnitude_per_head_and_channel():
 def test_rotation_is_undone_after_storing():
     from edgec.kvcache import rotation
 
-    script = _script()
+    script = benchmark_script("kv_channel_scales")
     storage = script.Storage()
     signs = torch.from_numpy(rotation.signs(0, 2, 64))[:, None, :]
     storage.rotation = (signs, torch.from_numpy(rotation.hadamard(64)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -11,15 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import benchmark_script
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("pool_rounds", ROOT / "benchmarks" / "pool_rounds.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["pool_rounds"] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run(threads: int, compressed: list[float], plain: list[float], genai_fp32: list[float]) -> dict:
@@ -33,7 +26,7 @@ def _run(threads: int, compressed: list[float], plain: list[float], genai_fp32: 
 
 
 def test_rounds_pair_by_index_and_pool_across_runs():
-    pool_rounds = _script()
+    pool_rounds = benchmark_script("pool_rounds")
     runs = [_run(2, [33.0, 36.0], [30.0, 30.0], [33.0, 40.0]), _run(2, [31.5], [30.0], [35.0])]
     pooled = {p.label: p for p in pool_rounds.pool_runs(runs)}
     plain = pooled["compressed prefill vs edgec plain"]
@@ -46,7 +39,7 @@ def test_rounds_pair_by_index_and_pool_across_runs():
 
 
 def test_verdicts_need_the_whole_interval():
-    pool_rounds = _script()
+    pool_rounds = benchmark_script("pool_rounds")
     target = pool_rounds.TARGETS[0]  # ≤ 1.10
     assert pool_rounds.pool([1.00, 1.01, 0.99, 1.02], target, 1).verdict == "met"
     assert pool_rounds.pool([1.20, 1.21, 1.19, 1.22], target, 1).verdict == "missed"

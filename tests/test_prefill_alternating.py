@@ -3,27 +3,12 @@ alternation, ratios pooled against the first; bad arguments are one line."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from edgec.build import build
 from edgec.runtime import Model
-from tests.conftest import build_settings, pydoc_text
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("prefill_alternating", ROOT / "benchmarks" / "prefill_alternating.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["prefill_alternating"] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import benchmark_script, build_settings, pydoc_text
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +20,7 @@ def compressed(tmp_path_factory, tiny_llama):
 
 
 def test_phases_rounds_and_pooled_ratios(tiny_bundle, compressed):
-    script = _script()
+    script = benchmark_script("prefill_alternating")
     ids = np.asarray(Model.load(tiny_bundle).encode(pydoc_text()[:3000])[:70], np.int64)
     samples = script.measure([tiny_bundle, compressed], ids, threads=1, rounds=3, calibrate=False)
     assert list(samples) == [tiny_bundle.name, compressed.name] and all(len(runs) == 3 for runs in samples.values())
@@ -57,7 +42,7 @@ def test_phases_rounds_and_pooled_ratios(tiny_bundle, compressed):
 
 @pytest.mark.parametrize("args,message", [(["only-one"], "two or more bundles"), (["a", "b"], "not a bundle: .*/a$")])
 def test_bad_arguments_are_one_line(args, message, tmp_path):
-    script = _script()
+    script = benchmark_script("prefill_alternating")
     with pytest.raises(SystemExit, match=message):
         script.main(
             [str(tmp_path / name) if name != "only-one" else name for name in args]

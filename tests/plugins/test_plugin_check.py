@@ -3,26 +3,14 @@ standard/plugin pair through the fake TensorRT-RTX, CUDA runtime and driver."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import benchmark_script
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("plugin_check", ROOT / "benchmarks" / "plugin_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["plugin_check"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-check = _script()
+check = benchmark_script("plugin_check")
 
 
 def test_it_skips_without_a_gpu_that_runs_tensorrt_rtx(monkeypatch, capsys, tmp_path):
