@@ -113,11 +113,6 @@ def main() -> None:
 
 def plot(results: dict, path: Path) -> None:
     """Per thread count: the three steps as bars, the ceiling and the achieved ratio written on them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = results["rows"]
     kinds = [
         ("genai_int4_ms", f"onnxruntime-genai int4, prompt {results['prompt']}"),
@@ -126,23 +121,43 @@ def plot(results: dict, path: Path) -> None:
         ("compressed_short_ms", f"edgec int4 + 1024 int8 slots, prompt {results['floor_prompt']} (the op's nodes)"),
     ]
     kinds = [(key, label) for key, label in kinds if all(key in row for row in rows.values())]  # older results
+    notes = [
+        f"now {row['compressed_vs_genai_int4']:.2f}×, ceiling {row['ceiling_vs_genai_int4']:.2f}×"
+        for row in rows.values()
+    ]
+    title = f"Decode vs onnxruntime-genai int4: the most a KV cache can give ({results['machine']}, {results['date']})"
+    step_bars(rows, kinds, notes, title, path, headroom=1.35)
+
+
+def step_bars(
+    rows: dict,
+    kinds: list[tuple[str, str]],
+    notes: list[str],
+    title: str,
+    path: Path,
+    headroom: float,
+    title_size: float | None = None,
+) -> None:
+    """Grouped bars of decode steps per thread count (``rows``: thread count → results; ``kinds``: (key, label) of
+    each bar, the first the tallest), each group's note written above its first bar; saved to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     figure, axis = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(kinds)
     for index, (key, label) in enumerate(kinds):
         positions = [t + (index - (len(kinds) - 1) / 2) * width for t in range(len(rows))]
         axis.bar(positions, [row[key] for row in rows.values()], width, label=label, color=f"C{index}")
-    for t, row in enumerate(rows.values()):
-        note = f"now {row['compressed_vs_genai_int4']:.2f}×, ceiling {row['ceiling_vs_genai_int4']:.2f}×"
-        axis.annotate(
-            note, (t, row["genai_int4_ms"]), ha="center", va="bottom", xytext=(0, 4), textcoords="offset points"
-        )
+    first = kinds[0][0]
+    for t, (row, note) in enumerate(zip(rows.values(), notes, strict=True)):
+        axis.annotate(note, (t, row[first]), ha="center", va="bottom", xytext=(0, 4), textcoords="offset points")
     axis.set_xticks(range(len(rows)), [f"{t} thread{'s' if int(t) > 1 else ''}" for t in rows])
     axis.set_ylabel("ms per decode step (lower is better)")
     axis.legend(loc="upper right", fontsize=8)
-    axis.set_ylim(0, max(row["genai_int4_ms"] for row in rows.values()) * 1.35)
-    axis.set_title(
-        f"Decode vs onnxruntime-genai int4: the most a KV cache can give ({results['machine']}, {results['date']})"
-    )
+    axis.set_ylim(0, max(row[first] for row in rows.values()) * headroom)
+    axis.set_title(title, **({"fontsize": title_size} if title_size else {}))  # None would drop the default
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 

@@ -42,6 +42,7 @@ from edgec.kvcache.compression import Compression
 from edgec.kvcache.policies import snapkv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_ceiling  # noqa: E402
 import kv_speed  # noqa: E402
 import measure  # noqa: E402
 
@@ -326,11 +327,6 @@ def main() -> None:
 def plot(results: dict, path: Path) -> None:
     """Per thread count: genai int4's step, the compressed bundle's, the prototype's and the floor's as bars, the
     achieved and projected ratios written above them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = results["rows"]
     kinds = [
         ("genai_ms", f"onnxruntime-genai int4, prompt {results['prompt']}"),
@@ -338,22 +334,12 @@ def plot(results: dict, path: Path) -> None:
         ("prototype_ms", "prototype: GroupQueryAttention over int8 per-channel slots + eviction tail"),
         ("floor_ms", "edgec int4, position 64 (the floor)"),
     ]
-    figure, axis = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(kinds)
-    for index, (key, label) in enumerate(kinds):
-        positions = [t + (index - (len(kinds) - 1) / 2) * width for t in range(len(rows))]
-        axis.bar(positions, [row[key] for row in rows.values()], width, label=label, color=f"C{index}")
-    for t, row in enumerate(rows.values()):
-        note = f"today {row['runner_vs_genai_int4']:.2f}×, prototype {row['projected_vs_genai_int4']:.2f}×"
-        axis.annotate(note, (t, row["genai_ms"]), ha="center", va="bottom", xytext=(0, 4), textcoords="offset points")
-    axis.set_xticks(range(len(rows)), [f"{t} thread{'s' if int(t) > 1 else ''}" for t in rows])
-    axis.set_ylabel("ms per decode step (lower is better)")
-    axis.legend(loc="upper right", fontsize=8)
-    axis.set_ylim(0, max(row["genai_ms"] for row in rows.values()) * 1.4)
+    notes = [
+        f"today {row['runner_vs_genai_int4']:.2f}×, prototype {row['projected_vs_genai_int4']:.2f}×"
+        for row in rows.values()
+    ]
     title = f"Decode vs genai int4: a natively read cache ({results['machine']}, {results['date']})"
-    axis.set_title(title, fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    decode_ceiling.step_bars(rows, kinds, notes, title, path, headroom=1.4, title_size=10)
 
 
 if __name__ == "__main__":
