@@ -17,11 +17,16 @@ sliding window, no protected tokens, constant scales (how a real format would ch
 docs/kv-cache.md). tests/test_gqa_native_ceiling.py holds its attention to the plain bundle's over the same
 dequantized slots and its writes to the slot the scores pick.
 
+A second prototype (``storage="fp32"``) keeps the slots float32 and lets the kernel read them **in place**: the
+buffer one row longer than the slots, GroupQueryAttention's static-cache mode writing the token into that spare row
+(past and present one buffer, as the plain bundle binds them), the eviction tail moving it into the weakest slot.
+No scales, nothing less exact than the plain cache — the question is only what reading 4× the bytes costs.
+
 Per thread count, round by round in one process: onnxruntime-genai int4 and edgec's compressed bundle decoding after
 the prompt (kv_speed.py's runners, the issue's pair), then three decode graphs stepped alone with IO binding on
 full random slots: the compressed bundle's own graph (``today's op``: the runner's step without the runtime's
-Python), the prototype, and the plain int4 graph at position 64 (the floor). The prototype's projected ratio is
-``genai step / (prototype step + the runner's overhead over today's graph)``.
+Python), the two prototypes, and the plain int4 graph at position 64 (the floor). A prototype's projected ratio
+is ``genai step / (prototype step + the runner's overhead over today's graph)``.
 
 Results: benchmarks/out/gqa_native_ceiling.json and .png (``--plot-only`` redraws it from the json); the printed
 table goes into docs/BENCHMARKS.md.
@@ -52,14 +57,30 @@ FLOOR_POSITION = 64
 RESULTS = kv_speed.OUT / "gqa_native_ceiling.json"
 
 
-def native_graph(plain_model: Path, capacity: int, sink: int = SINK, window: int = WINDOW, decay: float = DECAY):
+def native_graph(
+    plain_model: Path,
+    capacity: int,
+    sink: int = SINK,
+    window: int = WINDOW,
+    decay: float = DECAY,
+    storage: str = "int8",
+):
     """The plain decode graph (``model.onnx`` of a plain bundle whose layers run GroupQueryAttention) rewritten as
     described above. Per layer it reads ``cache.L.k``/``.v`` int8 [1, Hkv, capacity, D], ``pos.L`` int64 and
     ``score.L`` float [1, Hkv, capacity], and writes ``new_`` of each; the scales are the inputs ``scale.L.k``/``.v``
-    float [Hkv, 1, D]. Every slot is taken to be filled; the new token is at ``position_ids``."""
+    float [Hkv, 1, D]. Every slot is taken to be filled; the new token is at ``position_ids``.
+
+    ``storage="fp32"``: the slots stay float32 and the kernel reads them **in place** — ``cache.L.k``/``.v`` are
+    [1, Hkv, capacity + 1, D], the last row a spare: GroupQueryAttention in its static-cache mode (past and present
+    one buffer, ``seqlens_k`` = capacity) writes the token into the spare row and attends over every row; its
+    present is the graph output ``shared_cache.L.k`` and the eviction's ScatterElements (the spare row into the
+    weakest slot) ``new_cache.L.k``, both bound to the input's buffer (``bind_step``). No scales."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
+    if storage not in ("int8", "fp32"):
+        raise ValueError(f"storage {storage!r}: int8 or fp32")
+    shared_buffer = storage == "fp32"
     model = onnx.load(plain_model)
     graph = model.graph
 
@@ -105,11 +126,12 @@ def native_graph(plain_model: Path, capacity: int, sink: int = SINK, window: int
             continue
         past_k, past_v = node.input[3], node.input[4]
         layer = past_k.split(".")[1]
+        cache_type = TensorProto.FLOAT if shared_buffer else TensorProto.INT8
         for name in (past_k, past_v):
             tensor_type = inputs[name].type.tensor_type
-            tensor_type.elem_type = TensorProto.INT8
-            tensor_type.shape.dim[2].dim_value = capacity
-        scales = [f"scale.{layer}.k", f"scale.{layer}.v"]
+            tensor_type.elem_type = cache_type
+            tensor_type.shape.dim[2].dim_value = capacity + 1 if shared_buffer else capacity
+        scales = [] if shared_buffer else [f"scale.{layer}.k", f"scale.{layer}.v"]
         pos, score = f"pos.{layer}", f"score.{layer}"
         graph.input.extend(
             [helper.make_tensor_value_info(name, TensorProto.FLOAT, [kv_heads, 1, head_dim]) for name in scales]
@@ -118,21 +140,26 @@ def native_graph(plain_model: Path, capacity: int, sink: int = SINK, window: int
                 helper.make_tensor_value_info(score, TensorProto.FLOAT, [1, kv_heads, capacity]),
             ]
         )
-        # past = the slots, the token at row `capacity` of the present (positions come from position_ids)
+        # the slots, then the token at row `capacity` of the present (positions come from position_ids)
         node.input[5], node.input[6] = shared["seqlens"], shared["total"]
-        while len(node.input) < 12:
+        while len(node.input) < (10 if shared_buffer else 12):
             node.input.append("")
         node.input.extend(scales)
-        node.attribute.extend(
-            [
-                helper.make_attribute("k_quant_type", "PER_CHANNEL"),
-                helper.make_attribute("v_quant_type", "PER_CHANNEL"),
-                helper.make_attribute("kv_cache_bit_width", 8),
-                helper.make_attribute("qk_output", 2),
-            ]
-        )
+        if not shared_buffer:
+            node.attribute.extend(
+                [
+                    helper.make_attribute("k_quant_type", "PER_CHANNEL"),
+                    helper.make_attribute("v_quant_type", "PER_CHANNEL"),
+                    helper.make_attribute("kv_cache_bit_width", 8),
+                ]
+            )
+        node.attribute.append(helper.make_attribute("qk_output", 2))
         p = f"native.{layer}."
-        present_k, present_v, probs = p + "present_k", p + "present_v", p + "probs"
+        if shared_buffer:  # graph outputs, so that they can be bound to the past's buffer
+            present_k, present_v = f"shared_{past_k}", f"shared_{past_v}"
+        else:
+            present_k, present_v = p + "present_k", p + "present_v"
+        probs = p + "probs"
         node.output[1], node.output[2] = present_k, present_v
         node.output.append(probs)
 
@@ -158,11 +185,15 @@ def native_graph(plain_model: Path, capacity: int, sink: int = SINK, window: int
         rows_index = op("Expand", [op("Unsqueeze", [weakest, shared["last"]], p + "weakest4"), rows], p + "rows")
         for past, present in ((past_k, present_k), (past_v, present_v)):
             token = op("Slice", [present, shared["capacity"], shared["past_end"], shared["axis2"]], present + ".token")
-            op("ScatterElements", [past, rows_index, token], f"new_{past}", axis=2)
+            # fp32: the spare row moves into the weakest slot of the same buffer
+            op("ScatterElements", [present if shared_buffer else past, rows_index, token], f"new_{past}", axis=2)
         op("ScatterElements", [pos, weakest, "native.new_pos"], f"new_{pos}", axis=2)
         op("ScatterElements", [score_old, weakest, score_new], f"new_{score}", axis=2)
         graph.output.extend(
-            [helper.make_tensor_value_info(f"new_{past}", TensorProto.INT8, None) for past in (past_k, past_v)]
+            [helper.make_tensor_value_info(f"new_{past}", cache_type, None) for past in (past_k, past_v)]
+            + [helper.make_tensor_value_info(present, cache_type, None) for present in (present_k, present_v)][
+                : 2 if shared_buffer else 0
+            ]
             + [
                 helper.make_tensor_value_info(f"new_{pos}", TensorProto.INT64, None),
                 helper.make_tensor_value_info(f"new_{score}", TensorProto.FLOAT, None),
@@ -183,6 +214,7 @@ def session(model, threads: int, folder: Path | None = None):
     options.intra_op_num_threads = threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
     if not isinstance(model, (str, Path)):
+        folder.mkdir(parents=True, exist_ok=True)
         path = folder / "native.onnx"
         onnx.save(model, path, save_as_external_data=True, location="native.onnx.data")
         model = path
@@ -221,10 +253,11 @@ def bind_step(sess, position: int, capacity: int, seed: int = 0):
             array = rng.uniform(0.01, 0.02, shape).astype(np.float32)
         kept[value.name] = ort.OrtValue.ortvalue_from_numpy(array)
         binding.bind_ortvalue_input(value.name, kept[value.name])
-        if f"new_{value.name}" in outputs:
-            binding.bind_ortvalue_output(f"new_{value.name}", kept[value.name])
+        for prefix in ("new_", "shared_"):  # shared_: fp32 prototype's present, the same buffer (native_graph)
+            if f"{prefix}{value.name}" in outputs:
+                binding.bind_ortvalue_output(f"{prefix}{value.name}", kept[value.name])
     for name in outputs:
-        if name[len("new_") :] not in kept:
+        if name.split("_", 1)[-1] not in kept:
             binding.bind_output(name, "cpu")
     return binding, kept
 
@@ -260,21 +293,24 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
         prototype = native_graph(plain_graph, CAPACITY)
+        prototype_fp32 = native_graph(plain_graph, CAPACITY, storage="fp32")
         for threads in thread_counts:
             runners = {name: kv_speed.runner(name, threads) for name in names[:2]}
             for runner in runners.values():  # warm-up
                 runner.run(ids[:256], 4)
             graphs = {
                 "today": session(compressed_graph, threads),
-                "prototype": session(prototype, threads, Path(scratch)),
+                "prototype": session(prototype, threads, Path(scratch) / "int8"),
+                "fp32": session(prototype_fp32, threads, Path(scratch) / "fp32"),
                 "floor": session(plain_graph, threads),
             }
             bindings = {
                 "today": bind_step(graphs["today"], args.prompt, CAPACITY),
                 "prototype": bind_step(graphs["prototype"], args.prompt, CAPACITY),
+                "fp32": bind_step(graphs["fp32"], args.prompt, CAPACITY),
                 "floor": bind_step(graphs["floor"], FLOOR_POSITION, CAPACITY),
             }
-            steps: dict[str, list[float]] = {"genai": [], "runner": [], "today": [], "prototype": [], "floor": []}
+            steps: dict[str, list[float]] = {key: [] for key in ("genai", "runner", "today", "prototype", "fp32", "floor")}
             for round_index in range(args.rounds):
                 for key, name in (("genai", kv_speed.GENAI_INT4), ("runner", kv_speed.COMPRESSED)):
                     _, tokens_per_second = runners[name].run(ids, args.new_tokens)
@@ -296,6 +332,8 @@ def main() -> None:
                 "prototype_vs_today": median(lambda r: r["today"] / r["prototype"]),
                 # the runner's step = today's graph + the runtime's per-step work; the prototype would keep the latter
                 "projected_vs_genai_int4": median(lambda r: r["genai"] / (r["prototype"] + r["runner"] - r["today"])),
+                "projected_fp32_vs_genai_int4": median(lambda r: r["genai"] / (r["fp32"] + r["runner"] - r["today"])),
+                "fp32_cache_cost_ms": median(lambda r: r["fp32"] - r["floor"]),
                 "prototype_cache_cost_ms": median(lambda r: r["prototype"] - r["floor"]),
                 "today_cache_cost_ms": median(lambda r: r["today"] - r["floor"]),
             }
@@ -311,16 +349,18 @@ def main() -> None:
     plot(results, RESULTS.with_suffix(".png"))
     print(
         "| threads | genai int4 | compressed bundle (runner) | today's op graph | prototype graph | floor graph "
-        "| runner vs genai int4 | prototype vs today's graph | **projected vs genai int4** "
-        "| cache cost today → prototype |"
+        "| fp32 prototype graph | runner vs genai int4 | prototype vs today's graph | **projected vs genai int4** "
+        "| **fp32 prototype, projected** | cache cost today → prototype / fp32 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for threads, row in rows.items():
         print(
             f"| {threads} | {row['genai_ms']:.1f} ms | {row['runner_ms']:.1f} ms | {row['today_ms']:.1f} ms | "
-            f"{row['prototype_ms']:.1f} ms | {row['floor_ms']:.1f} ms | {row['runner_vs_genai_int4']:.2f}× | "
-            f"{row['prototype_vs_today']:.2f}× | **{row['projected_vs_genai_int4']:.2f}×** | "
-            f"{row['today_cache_cost_ms']:.1f} → {row['prototype_cache_cost_ms']:.1f} ms |"
+            f"{row['prototype_ms']:.1f} ms | {row['floor_ms']:.1f} ms | {row['fp32_ms']:.1f} ms | "
+            f"{row['runner_vs_genai_int4']:.2f}× | {row['prototype_vs_today']:.2f}× | "
+            f"**{row['projected_vs_genai_int4']:.2f}×** | **{row['projected_fp32_vs_genai_int4']:.2f}×** | "
+            f"{row['today_cache_cost_ms']:.1f} → {row['prototype_cache_cost_ms']:.1f} / "
+            f"{row['fp32_cache_cost_ms']:.1f} ms |"
         )
 
 
@@ -332,10 +372,14 @@ def plot(results: dict, path: Path) -> None:
         ("genai_ms", f"onnxruntime-genai int4, prompt {results['prompt']}"),
         ("runner_ms", f"edgec int4 + {results['capacity']} int8 slots (today's format)"),
         ("prototype_ms", "prototype: GroupQueryAttention over int8 per-channel slots + eviction tail"),
+        ("fp32_ms", "prototype: GroupQueryAttention over fp32 slots in place + eviction tail"),
         ("floor_ms", "edgec int4, position 64 (the floor)"),
     ]
+    if not all("fp32_ms" in row for row in rows.values()):  # results saved before the fp32 prototype
+        kinds = [kind for kind in kinds if kind[0] != "fp32_ms"]
     notes = [
-        f"today {row['runner_vs_genai_int4']:.2f}×, prototype {row['projected_vs_genai_int4']:.2f}×"
+        f"today {row['runner_vs_genai_int4']:.2f}×, int8 {row['projected_vs_genai_int4']:.2f}×"
+        + (f", fp32 {row['projected_fp32_vs_genai_int4']:.2f}×" if "fp32_ms" in row else "")
         for row in rows.values()
     ]
     title = f"Decode vs genai int4: a natively read cache ({results['machine']}, {results['date']})"

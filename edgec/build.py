@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,11 +129,22 @@ def plan_build(settings: BuildSettings, shape: ModelShape, max_context: int | No
             f"its runtime writes recalled tokens into host buffers between steps; not for {target.name} "
             f"({target.runtime}{', --kv-plugin on' if settings.kv_plugin else ''}); build with --kv-recall 0"
         )
+    if kv is not None and native_decode(target, kv, settings.kv_plugin):
+        kv = replace(kv, decode_kernel="gqa")
     choices = Choices(target, weights, context, kv, weight_options(target, settings, weights), settings.kv_plugin)
     passes, options = passes_for(choices)
     plan = Plan(target, shape, context, prefill_chunk, weights, kv, passes, options)
     check_fits(plan, kv_dtype=kv.dtype if kv else ("fp16" if choices.fp16_compute else "fp32"))
     return plan
+
+
+def native_decode(target: Target, kv: Compression, kv_plugin: bool) -> bool:
+    """Whether one-token steps read the compressed slots through ONNX Runtime's CPU GroupQueryAttention in place
+    (``Compression.decode_kernel`` gqa): fp32 slots of one pool, unrotated, without recall, on an ONNX Runtime CPU
+    target with the fused kernel. It halves the cache's share of a decode step at 1K slots (docs/kv-cache.md)."""
+    abilities = target.abilities
+    cpu_gqa = target.runtime == "ort-cpu" and abilities.attention == "gqa" and abilities.data_dependent_shapes
+    return cpu_gqa and not kv_plugin and kv.native_decode_fits()
 
 
 def weight_options(target: Target, settings: BuildSettings, weights: str) -> dict[str, Any]:
@@ -299,7 +310,8 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
     elif target.abilities.engine != "tensorrt-rtx":  # ONNX Runtime: prompt chunks at fp32 activations
         from edgec.prefill_graph import write_prefill_graph
 
-        model_files |= write_prefill_graph(folder)
+        native_decode = plan.kv is not None and plan.kv.decode_kernel == "gqa"
+        model_files |= write_prefill_graph(folder, native_decode=native_decode)
     loaded.tokenizer.save_pretrained(folder)
     chat_format, chat_note = chat_format_from_tokenizer(loaded.tokenizer)
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")

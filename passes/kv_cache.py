@@ -18,6 +18,7 @@ from edgec.kvcache.compression import Compression
 from edgec.kvcache.spec import (
     OBSERVE_INPUT,
     PROTECT_INPUT,
+    ROW_DIM,
     SLOT_DIM,
     CacheSpec,
     LayerCache,
@@ -90,9 +91,10 @@ def _compress(
     batch, kv_heads, _, head_dim = k_cache.shape
     storage = ir.DataType(compressed_function.STORAGE_TYPES[compression.dtype])
     stored_dim = head_dim // 2 if compression.dtype == "int4" else head_dim
+    rows = ROW_DIM if compression.spare_rows else SLOTS  # GroupQueryAttention's spare row (_decode_gqa)
     for value in (k_cache, v_cache):
         value.type = ir.TensorType(storage)
-        value.shape = ir.Shape([batch, kv_heads, SLOTS, stored_dim])
+        value.shape = ir.Shape([batch, kv_heads, rows, stored_dim])
     pos_cache.shape = ir.Shape([batch, kv_heads, SLOTS])
     float_type = ir.TensorType(ir.DataType.FLOAT)
     shapes = {

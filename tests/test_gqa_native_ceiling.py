@@ -142,3 +142,62 @@ def test_static_cache_mode_writes_the_token_after_the_filled_slots():
         np.testing.assert_allclose(probs[0, head, 0, : filled + 1], expected, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(out.reshape(heads, dim)[head], expected @ values[head // 2], rtol=1e-5, atol=1e-5)
     assert (probs[0, :, 0, filled + 1 :] == 0).all()
+
+
+def test_fp32_prototype_reads_its_slots_in_place_and_moves_the_token_into_the_weakest(tiny_bundle, tmp_path):
+    """``storage="fp32"``: the plain graph's logits over the same float slots exactly, and — with every state bound
+    in place, the present and the eviction's output to the input's own buffer as bind_step binds them — the token's
+    k and v rows land in the weakest slot of that buffer, every other slot untouched."""
+    script = benchmark_script("gqa_native_ceiling")
+    graph = script.native_graph(
+        tiny_bundle / "model.onnx", CAPACITY, sink=SINK, window=WINDOW, decay=DECAY, storage="fp32"
+    )
+    prototype = script.session(graph, 1, tmp_path)
+    plain = ort.InferenceSession(str(tiny_bundle / "model.onnx"), providers=["CPUExecutionProvider"])
+    caches = sorted({v.name.rsplit(".", 1)[0] for v in plain.get_inputs() if v.name.startswith("cache.")})
+    shape = next(v.shape for v in plain.get_inputs() if v.name == f"{caches[0]}.k")
+    kv_heads, context, head_dim = shape[1], shape[2], shape[3]
+    rng = np.random.default_rng(5)
+    token = {"input_ids": np.array([[7]], np.int64), "position_ids": np.array([[CAPACITY]], np.int64)}
+    token["logits_index"] = np.array([0], np.int64)
+    plain_feeds = dict(token)
+    binding = prototype.io_binding()
+    for name, value in token.items():
+        binding.bind_cpu_input(name, value)
+    buffers, before = {}, {}
+    for cache in caches:
+        layer = cache.split(".")[1]
+        for kind in ("k", "v"):
+            slots = rng.standard_normal((1, kv_heads, CAPACITY, head_dim)).astype(np.float32)
+            plain_feeds[f"{cache}.{kind}"] = np.zeros((1, kv_heads, context, head_dim), np.float32)
+            plain_feeds[f"{cache}.{kind}"][:, :, :CAPACITY] = slots  # positions 0..C-1
+            spare = np.full((1, kv_heads, 1, head_dim), 1e4, np.float32)  # whatever the spare row holds is unread
+            before[f"{cache}.{kind}"] = np.concatenate([slots, spare], axis=2)
+        before[f"pos.{layer}"] = np.broadcast_to(np.arange(CAPACITY), (1, kv_heads, CAPACITY)).copy()
+        before[f"score.{layer}"] = rng.uniform(0.0, 1.0, (1, kv_heads, CAPACITY)).astype(np.float32)
+    output_names = {o.name for o in prototype.get_outputs()}
+    for name, array in before.items():
+        buffers[name] = ort.OrtValue.ortvalue_from_numpy(array.copy())
+        binding.bind_ortvalue_input(name, buffers[name])
+        for prefix in ("new_", "shared_"):
+            if prefix + name in output_names:
+                binding.bind_ortvalue_output(prefix + name, buffers[name])
+    binding.bind_output("logits", "cpu")
+    prototype.run_with_iobinding(binding)
+    logits = binding.get_outputs()[-1].numpy()  # bound last
+    plain_names = [o.name for o in plain.get_outputs()]
+    reference = dict(zip(plain_names, plain.run(None, plain_feeds), strict=True))
+
+    np.testing.assert_allclose(logits, reference["logits"], rtol=1e-5, atol=1e-5)
+    for cache in caches:
+        layer = cache.split(".")[1]
+        new_pos = buffers[f"pos.{layer}"].numpy()[0]
+        for head in range(kv_heads):
+            weakest = int(np.flatnonzero(new_pos[head] == CAPACITY)[0])  # the slot that took the token
+            assert SINK <= before[f"pos.{layer}"][0, head, weakest] <= CAPACITY - WINDOW
+            for kind in ("k", "v"):
+                after = buffers[f"{cache}.{kind}"].numpy()[0, head]
+                untouched = np.delete(np.arange(CAPACITY), weakest)
+                np.testing.assert_array_equal(after[untouched], before[f"{cache}.{kind}"][0, head, untouched])
+                arriving = reference[f"new_{cache}.{kind}"][0, head, CAPACITY]
+                np.testing.assert_allclose(after[weakest], arriving, rtol=1e-4, atol=1e-5)

@@ -34,10 +34,16 @@ def _build(tmp_path_factory, tiny_llama, name, **kv):
 
 def test_full_capacity_fp32_equals_uncompressed(tmp_path_factory, tiny_llama, tiny_bundle, text_ids):
     bundle = _build(tmp_path_factory, tiny_llama, "full", kv_capacity=128, kv_dtype="fp32", kv_policy="h2o")
-    graph = onnx.load(bundle / "model.onnx", load_external_data=False).graph
-    ops = [node.op_type for node in graph.node]
-    assert ops.count("CompressedKVAttention") == manifest(bundle)["model"]["num_layers"]
-    assert "GroupQueryAttention" not in ops
+    layers = manifest(bundle)["model"]["num_layers"]
+    # fp32 slots on a CPU target: prompt chunks run the op (prefill.onnx), one-token steps GroupQueryAttention over
+    # the slots in place (model.onnx, the op inlined, each kernel's present a graph output: decode_kernel gqa)
+    assert manifest(bundle)["cache"]["compression"]["decode_kernel"] == "gqa"
+    chunks = onnx.load(bundle / "prefill.onnx", load_external_data=False).graph
+    assert [node.op_type for node in chunks.node].count("CompressedKVAttention") == layers
+    decode = onnx.load(bundle / "model.onnx", load_external_data=False).graph
+    assert [node.op_type for node in decode.node].count("GroupQueryAttention") == layers
+    presents = {output.name for output in decode.output if output.name.startswith("present.")}
+    assert presents == {f"present.{layer}.{name}" for layer in range(layers) for name in ("k", "v")}
     compressed, plain = Model.load(bundle), Model.load(tiny_bundle)
     np.testing.assert_allclose(compressed.logprobs(text_ids), plain.logprobs(text_ids), atol=1e-5)
     prompt = text_ids[:40]
@@ -208,3 +214,34 @@ def test_rotated_cache_end_to_end(tiny_rotated_bundle, tiny_bundle, text_ids):
     matrix, signs = rotation.hadamard(keys.shape[-1]), rotation.signs(5, keys.shape[1], keys.shape[-1])
     np.testing.assert_allclose(stored, rotation.rotate(keys, signs, matrix), atol=1e-5)
     assert not np.allclose(stored, keys, atol=1e-2)
+
+
+@pytest.mark.parametrize("prefill_compress", ["chunk", "end"])
+def test_kernel_decode_equals_the_op_body_with_evictions(tmp_path_factory, tiny_llama, text_ids, prefill_compress):
+    """fp32 slots, 40 of them (evictions from the first prompt on): the cpu target's one-token steps through
+    GroupQueryAttention over the slots in place (decode_kernel gqa) give the cpu-portable bundle's answers, which
+    run the op's own decode body — the same scores, the same slots evicted, the same tokens."""
+    kv = dict(kv_capacity=40, kv_dtype="fp32", kv_policy="snapkv", kv_window=8, prefill_compress=prefill_compress)
+    native = _build(tmp_path_factory, tiny_llama, f"gqa-{prefill_compress}", **kv)
+    portable = tmp_path_factory.mktemp("kv") / f"portable-{prefill_compress}.edgec"
+    build(tiny_llama, portable, build_settings(**{**KV, "target": "cpu-portable"}, **kv))
+    assert manifest(native)["cache"]["compression"]["decode_kernel"] == "gqa"
+    assert "decode_kernel" not in manifest(portable)["cache"]["compression"]
+    fast, reference = Model.load(native), Model.load(portable)
+    np.testing.assert_allclose(fast.logprobs(text_ids), reference.logprobs(text_ids), atol=2e-4)
+    prompt = text_ids[:60]
+    assert fast.generate(prompt, max_new_tokens=40) == reference.generate(prompt, max_new_tokens=40)
+    # the kernel's presents are bound to the state's buffers, and the state after decoding is the reference's
+    state, other = last_state(fast), last_state(reference)
+    assert state.keys() == other.keys()
+    for name, value in state.items():
+        if name.endswith((".k", ".v")):
+            assert value.shape[2] == 41  # 40 slots + the spare row
+            value = value[:, :, :40]
+        if name.endswith(".pos"):
+            np.testing.assert_array_equal(value, other[name])
+        else:
+            np.testing.assert_allclose(value, other[name], atol=2e-4, rtol=1e-4)
+    presents = fast._idle[-1]._presents[fast._idle[-1].session]
+    assert sorted(presents.values()) == sorted(f"present.{n.split('.')[1]}.{n[-1]}" for n in presents)
+    assert len(presents) == 2 * manifest(native)["model"]["num_layers"]

@@ -49,6 +49,9 @@ class Heads:
 
 
 RECALL_QUERY = "query"  # the output recall adds
+# the names (prefixes: Body.fresh numbers them) of GroupQueryAttention's presents in ``_decode_gqa``, which
+# prefill_graph.expose_decode_present finds and makes graph outputs bound to the state's own buffers
+GQA_PRESENT = {"k_cache": "gqa_present_k_cache", "v_cache": "gqa_present_v_cache"}
 
 # the function's formal names of the state tensors (spec.py's vocabulary; k and v are the new tokens' keys/values)
 FORMAL = {"k": "k_cache", "v": "v_cache"}
@@ -200,6 +203,8 @@ def make_function(
     are scored from their last queries where the policy allows (``_general``): a chunk costs what a plain
     cache's does, and its score matrix is never materialized.
     """
+    if compression.decode_kernel == "gqa" and not compression.native_decode_fits():
+        raise ValueError("GroupQueryAttention reads unrotated fp32 slots of one pool only (native_decode_fits)")
     b = Body()
     formal = list(inputs(compression))
     # with a rotation, the body below runs on rotated q, k, v (named as the inputs were) and its output is
@@ -238,7 +243,8 @@ def make_function(
     for kind in ("decode", "general"):
         branch = Body(prefix=f"{kind[0]}_")
         if kind == "decode":
-            results = _decode(branch, compression, scale_attr, window_attr, heads)
+            decode = _decode_gqa if compression.decode_kernel == "gqa" else _decode
+            results = decode(branch, compression, scale_attr, window_attr, heads)
         else:
             fused = heads if fused_attention else None
             results = _general(branch, compression, scale_attr, window_attr, fused=fused)
@@ -253,7 +259,8 @@ def make_function(
             else_branch=branches["general"],
         )
     )
-    return _function(b, compression, default_opset, formal, rotation, fused_attention)
+    fused = fused_attention or compression.decode_kernel == "gqa"
+    return _function(b, compression, default_opset, formal, rotation, fused)
 
 
 def _if_decode(b: Body, compression: Compression, branches: dict, body_out: dict, output_type) -> onnx.NodeProto:
@@ -920,12 +927,48 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
     out = b.op("Reshape", context, b.i64([0, 1, heads.query, heads.dim]))  # [B,1,H,D]
 
     # scores of every candidate (C slots + the token) from this step's attention
-    stats = {}
+    total = None
     if policy.needs:
         total = b.op("ReduceSum", probs, b.i64([2]), keepdims=0)  # [B,Hkv,A+1]
         gap = b.op("Concat", b.i64([0, 0, 0, 0, 0]), b.op("Sub", capacity, active), axis=0)
         old_part = b.op("Pad", b.op("Slice", total, b.i64([0]), active, b.i64([-1])), gap, b.f32(0.0))
         total = b.op("Concat", old_part, b.op("Slice", total, active, b.i64([HUGE]), b.i64([-1])), axis=-1)
+    current = {name: name for name in state_names(compression)}
+    step = _Step(capacity, filled, position)
+    return {"out": out} | _evict_into_weakest(b, compression, heads, step, total, current, after_out=context)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What a one-token step computes once and its eviction reads again."""
+
+    capacity: str  # [1]: C, the slots
+    filled: str  # [B,Hkv,C] bool: pos ≥ 0
+    position: str  # [B,1,1]: the token's position
+
+
+def _evict_into_weakest(
+    b: Body,
+    compression: Compression,
+    heads: Heads,
+    step: _Step,
+    total: str | None,
+    current: dict[str, str],
+    after_out: str | None,
+    after_all: str | None = None,
+) -> dict[str, str]:
+    """The one-token step's update after its attention: the policy's scores from ``total`` (the token's
+    probabilities summed over each KV head's query heads, [B,Hkv,C+1]: the C slots, then the token; None for a
+    policy that reads none), the weakest evictable slot per KV head, and the token's rows, position and score
+    scattered into it. ``current``: the state to write into, by state name (the inputs, or for k/v the buffers
+    GroupQueryAttention wrote); ``after_out``: a value the v writes must wait for (the attention output, where v
+    is read in place); ``after_all``: one every write must wait for (where the weakest slot is not computed from
+    the attention, yet ``pos`` is read by it). Returns the ``*_out`` state outputs."""
+    policy = policies.get(compression.policy)
+    per_kv = heads.query // heads.kv
+    capacity, filled, position = step.capacity, step.filled, step.position
+    stats = {}
+    if policy.needs:
         stats = {"total": total, "observed": total}  # one query: it is the whole observation window
         if "last" in policy.needs:
             stats["last"] = b.op("Div", total, b.f32(float(per_kv)))
@@ -944,16 +987,17 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
     keep_old = b.op("Where", b.op("Or", sink, recent), inf, score_old)
     keep_old = b.op("Where", filled, keep_old, b.f32(float("-inf")))
     weakest = b.op("ArgMin", keep_old, axis=-1, keepdims=1)  # [B,Hkv,1]
+    weakest = _after(b, weakest, after_all) if after_all is not None else weakest
     # see _general: the pruning reads the old positions, v is read by the output only
     replace = b.op("Expand", b.boolean(True), b.op("Shape", weakest)) if policy.prunes else None
     evicted = _evicted(b, weakest, replace) if policy.prunes else None
     weakest = _after(b, weakest, evicted) if policy.prunes else weakest
-    weakest_after_out = _after(b, weakest, context)
+    weakest_after_out = _after(b, weakest, after_out) if after_out is not None else weakest
     k_stored, k_scale_new = _quantize(b, "k", compression)
     v_stored, v_scale_new = _quantize(b, "v", compression)
     arriving = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale_new, "v_scale": v_scale_new}
     arriving |= {"pos": new_pos, "score": score_new}
-    current = {name: name for name in state_names(compression)} | {"score": score_old}
+    current = current | {"score": score_old}
     # one slot index for all channels of the arriving row (Expand broadcasts [B,Hkv,1,1] to [B,Hkv,1,W])
     stored = heads.dim // 2 if compression.dtype == "int4" else heads.dim
     groups = heads.dim // compression.group
@@ -969,7 +1013,68 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
         written[name] = b.op("ScatterElements", current[name], slots, arriving[name], axis=2)
     if policy.prunes:
         written["pos"] = _prune(b, policy, written, evicted, position, compression)
-    return {"out": out} | {f"{name}_out": value for name, value in written.items()}
+    return {f"{name}_out": value for name, value in written.items()}
+
+
+def _decode_gqa(b: Body, compression: Compression, scale_attr: str, window_attr: str, heads: Heads) -> dict[str, str]:
+    """The one-token step over fp32 slots with ONNX Runtime's GroupQueryAttention reading them in place
+    (``Compression.decode_kernel`` gqa): the same meaning as ``_decode``, without its slices and transposes of
+    every slot. k/v carry one spare row after the C slots; in its static-cache mode (``seqlens_k`` = C, total
+    C + 1) the kernel writes the token's k/v into that row, attends over all C + 1 rows — empty slots and those
+    below a sliding window masked by an attention bias built from ``pos``, as ``_decode`` masks them — and returns
+    the query's probabilities (``qk_output``), from which ``_evict_into_weakest`` scores and writes the token into
+    its slot of the kernel's present. Bound in place (the present and the new state one buffer with the input,
+    ``prefill_graph.expose_decode_present``) nothing is copied; unbound, the kernel copies the past first — the
+    same values."""
+    per_kv = heads.query // heads.kv
+    capacity = b.shape("pos", 2)  # [1]: C
+    position = b.op("Unsqueeze", "position_ids", b.i64([1]))  # [B,1,1]
+    has_window = b.op("Greater", window_attr, b.i64(0))
+    span = b.op("Where", has_window, window_attr, b.i64(HUGE))
+    lowest = b.op("Max", b.op("Sub", position, b.op("Sub", span, b.i64(1))), b.i64(0))
+    # 0 for a filled slot the query may see, -inf for the rest (empty slots have pos -1); the spare row (the
+    # token) is seen: [B,Hkv,C+1], then one row per query head, as the kernel wants it: [B,H,1,C+1]
+    hidden = b.op("Where", b.op("GreaterOrEqual", "pos", lowest), b.f32(0.0), b.f32(float("-inf")))
+    token_row = b.op("Expand", b.f32(0.0), b.op("Concat", b.op("Shape", position, end=1), b.i64([heads.kv, 1]), axis=0))
+    bias = b.op("Concat", hidden, token_row, axis=-1)
+    rows = b.op("Concat", b.i64([1, heads.kv, per_kv]), b.op("Add", capacity, b.i64([1])), axis=0)  # Expand: 1, not 0
+    bias = b.op("Expand", b.op("Unsqueeze", bias, b.i64([2])), rows)  # [B,Hkv,G,C+1]
+    bias = b.op("Reshape", bias, b.op("Concat", b.i64([0, heads.query, 1]), b.op("Add", capacity, b.i64([1])), axis=0))
+    # q [B,H,1,D] and k, v [B,Hkv,1,D] hold their one row in the kernel's [B,1,H·D] order already
+    query = b.op("Reshape", "q", b.i64([0, 1, heads.query * heads.dim]))
+    key = b.op("Reshape", "k", b.i64([0, 1, heads.kv * heads.dim]))
+    value = b.op("Reshape", "v", b.i64([0, 1, heads.kv * heads.dim]))
+    batch = b.op("Shape", "position_ids", end=1)
+    seqlens = b.op("Cast", b.op("Expand", capacity, batch), to=TensorProto.INT32)
+    total_length = b.op("Cast", b.op("Squeeze", b.op("Add", capacity, b.i64([1]))), to=TensorProto.INT32)
+    fused = [b.fresh("gqa_out"), b.fresh(GQA_PRESENT["k_cache"]), b.fresh(GQA_PRESENT["v_cache"]), b.fresh("probs")]
+    node = helper.make_node(
+        "GroupQueryAttention",
+        [query, key, value, "k_cache", "v_cache", seqlens, total_length, "", "", "", bias],
+        fused,
+        domain="com.microsoft",
+        num_heads=heads.query,
+        kv_num_heads=heads.kv,
+        qk_output=2,  # the probabilities after the softmax: [B,H,1,C+1]
+    )
+    scale = helper.make_attribute_ref("scale", AttributeProto.FLOAT)
+    scale.ref_attr_name = "scale"
+    node.attribute.append(scale)
+    b.nodes.append(node)
+    out = b.op("Reshape", fused[0], b.i64([0, 1, heads.query, heads.dim]))  # [B,1,H,D]
+    total = None
+    if policies.get(compression.policy).needs:
+        grouped = b.op(
+            "Reshape", fused[3], b.op("Concat", b.i64([0, heads.kv, per_kv]), b.op("Add", capacity, b.i64([1])), axis=0)
+        )
+        total = b.op("ReduceSum", grouped, b.i64([2]), keepdims=0)  # [B,Hkv,C+1]
+    current = {name: name for name in state_names(compression)}
+    current |= {"k_cache": fused[1], "v_cache": fused[2]}  # written after the kernel: no ordering needed
+    step = _Step(capacity, b.op("GreaterOrEqual", "pos", b.i64(0)), position)
+    # the attention bias reads pos before its in-place write: a policy that scores from the probabilities orders
+    # the writes after the kernel already; one that reads none (streaming) must wait for the kernel's output
+    wait = fused[0] if total is None else None
+    return {"out": out} | _evict_into_weakest(b, compression, heads, step, total, current, None, after_all=wait)
 
 
 def _group_mask(b: Body, heads: Heads, group: int) -> str:

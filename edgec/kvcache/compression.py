@@ -18,7 +18,11 @@ from edgec.kvcache.rotation import ROTATIONS, usable
 PREFILL_MODES = ("end", "chunk")
 MIXED = ("none", "int8", "fp16")  # storage of the high-precision pool (--kv-mixed); none = one pool
 # settings a manifest holds only when their feature is on (the setting that turns it on → the settings it adds)
-OMITTED_WHEN_OFF = {"rotation": ("rotation", "rotation_seed"), "mixed": ("mixed",)}
+OMITTED_WHEN_OFF = {"rotation": ("rotation", "rotation_seed"), "mixed": ("mixed",), "decode_kernel": ("decode_kernel",)}
+# how a one-token step reads the slots: none = the op's own decode body; gqa = ONNX Runtime's GroupQueryAttention
+# reads fp32 slots in place (k/v buffers one spare row longer: compressed_function._decode_gqa). The build chooses
+# it (``native_decode``), never a flag: a bundle's graph and state layout follow from it
+DECODE_KERNELS = ("none", "gqa")
 # settings a manifest holds only when recall is on (kvcache/recall.py), so other bundles stay byte-identical
 RECALL_FIELDS = ("recall", "recall_block", "recall_every")
 
@@ -125,6 +129,9 @@ class Compression:
     recall_every: int = _setting(
         1, Option("--kv-recall-every", "decode steps between recalls", minimum=1, at_load=True)
     )
+    decode_kernel: str = _setting(
+        "none", Option(None, "the kernel of one-token steps (chosen by the build)", choices=DECODE_KERNELS)
+    )
 
     # --- derived from the fields -------------------------------------------------------------------------------
     @classmethod
@@ -226,6 +233,12 @@ class Compression:
                 f"{self.capacity} slots: the rest must exceed the sink, the recent window and the protected tokens "
                 f"({self.sink} + {self.window} + {self.max_protected}); recall fewer blocks or raise --kv-capacity"
             )
+        if self.decode_kernel == "gqa" and not self.native_decode_fits():
+            raise BuildSettingsError(
+                f"decode kernel gqa reads unrotated fp32 slots in one pool without recall; these settings have "
+                f"--kv-dtype {self.dtype}, --kv-rotation {self.rotation}, --kv-mixed {self.mixed}, "
+                f"--kv-recall {self.recall}"
+            )
         if self.recall and self.mixed != "none":
             raise BuildSettingsError(
                 f"--kv-recall {self.recall} with --kv-mixed {self.mixed}: the host tier and the reserved slots are "
@@ -244,6 +257,17 @@ class Compression:
         return changed
 
     # --- what the settings imply -------------------------------------------------------------------------------
+    def native_decode_fits(self) -> bool:
+        """Whether ONNX Runtime's GroupQueryAttention can read these slots itself in a one-token step: fp32
+        storage (no scales), one pool, no rotation, no recall (``decode_kernel`` gqa)."""
+        return self.dtype == "fp32" and self.rotation == "none" and self.mixed == "none" and not self.recall
+
+    @property
+    def spare_rows(self) -> int:
+        """Rows the k/v buffers carry beyond the slots: 1 where GroupQueryAttention writes the token into a
+        spare row before the eviction moves it into its slot (``decode_kernel`` gqa), else 0."""
+        return 1 if self.decode_kernel == "gqa" else 0
+
     @property
     def quantized(self) -> bool:
         return self.dtype in ("int8", "fp8", "int4")

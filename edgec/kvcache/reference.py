@@ -86,11 +86,15 @@ def kv_attention(
 
 
 def empty_compressed_state(num_kv_heads: int, capacity: int, head_dim: int, compression) -> dict[str, np.ndarray]:
-    """A fresh compressed layer's state, as every backend allocates it (``CacheSpec``)."""
+    """A fresh compressed layer's state, as every backend allocates it (``CacheSpec``) — the slots alone: a
+    kernel's spare rows (``Compression.spare_rows``) are the graph's layout, not the meaning."""
+    from dataclasses import replace
+
     from edgec.kvcache.spec import CacheSpec, LayerCache, compressed_state
 
-    layer = LayerCache(0, num_kv_heads, head_dim, capacity, compressed=True, state=compressed_state(compression))
-    return CacheSpec((layer,), compression=compression).empty_layer(layer)
+    meaning = replace(compression, decode_kernel="none")
+    layer = LayerCache(0, num_kv_heads, head_dim, capacity, compressed=True, state=compressed_state(meaning))
+    return CacheSpec((layer,), compression=meaning).empty_layer(layer)
 
 
 def _softmax(scores: np.ndarray) -> np.ndarray:

@@ -30,6 +30,7 @@ PROTECT_INPUT = "protect"
 # built before it existed lack it, and always observe
 OBSERVE_INPUT = "observe"
 SLOT_DIM = "kv_slots"  # a compressed layer's slot count: symbolic, the graph runs on any number of slots
+ROW_DIM = "kv_rows"  # the k/v rows of a compressed layer whose buffers carry a spare row (Compression.spare_rows)
 STORAGE_NUMPY = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8, "fp8": np.uint8, "int4": np.uint8}
 FLOAT_NUMPY = {"float32": np.float32, "float16": np.float16}
 
@@ -40,6 +41,12 @@ def input_name(layer: int, name: str) -> str:
 
 def output_name(layer: int, name: str) -> str:
     return f"new_cache.{layer}.{name}"
+
+
+def present_name(layer: int, name: str) -> str:
+    """A decode graph's extra output with ``Compression.decode_kernel`` gqa: GroupQueryAttention's present of a
+    compressed layer's k or v, which the runtime binds to that state's own buffer (no copy of the slots)."""
+    return f"present.{layer}.{name}"
 
 
 def recall_query_name(layer: int) -> str:
@@ -56,10 +63,13 @@ def compressed_state(compression: Compression) -> tuple[str, ...]:
     return names + tuple(name for name in MIXED_STATE if name not in HI_SCALES or compression.mixed in QMAX)
 
 
-def _pool(layer: LayerCache, slots: int, dtype: str, group: int, suffix: str) -> dict[str, np.ndarray]:
-    """Empty arrays of one slot pool of a compressed layer (``suffix`` "_hi": the mixed cache's wide pool)."""
+def _pool(
+    layer: LayerCache, slots: int, dtype: str, group: int, suffix: str, spare_rows: int = 0
+) -> dict[str, np.ndarray]:
+    """Empty arrays of one slot pool of a compressed layer (``suffix`` "_hi": the mixed cache's wide pool;
+    ``spare_rows``: k and v rows beyond the slots, ``Compression.spare_rows``)."""
     shape = (1, layer.num_kv_heads, slots)
-    stored = shape + (layer.head_dim // 2 if dtype == "int4" else layer.head_dim,)
+    stored = (1, layer.num_kv_heads, slots + spare_rows, layer.head_dim // 2 if dtype == "int4" else layer.head_dim)
     scales = shape + (layer.head_dim // group,)
     return {
         f"k{suffix}": np.zeros(stored, STORAGE_NUMPY[dtype]),
@@ -167,7 +177,7 @@ class CacheSpec:
             compression = self.compression
             # a mixed cache's ``capacity`` counts both pools: the wide one has hi_slots, the narrow one the rest
             hi = compression.hi_slots
-            arrays = _pool(layer, capacity - hi, compression.dtype, compression.group, "")
+            arrays = _pool(layer, capacity - hi, compression.dtype, compression.group, "", compression.spare_rows)
             if hi:
                 arrays |= _pool(layer, hi, compression.mixed, compression.group, "_hi")
         return {name: arrays[name] for name in layer.state}

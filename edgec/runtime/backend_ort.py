@@ -36,7 +36,7 @@ import onnxruntime as ort
 
 from edgec.errors import BundleError
 from edgec.kvcache.reference import select_slots
-from edgec.kvcache.spec import OBSERVE_INPUT, POSITIONS, PROTECT_INPUT, CacheSpec, StateTensor
+from edgec.kvcache.spec import OBSERVE_INPUT, POSITIONS, PROTECT_INPUT, CacheSpec, StateTensor, present_name
 from edgec.runtime.observe import PromptObservation
 
 StateEntry = tuple[StateTensor, ort.OrtValue]  # a state tensor and the buffer holding it (host or device)
@@ -152,6 +152,30 @@ def _allocate(spec: CacheSpec, device: StateDevice, compressed_slots: int | None
     ]
 
 
+def _kernel_presents(session: ort.InferenceSession, spec: CacheSpec) -> dict[str, str]:
+    """State input → the graph output bound to its buffer beside ``new_…``: GroupQueryAttention's present of a
+    compressed layer's k/v in a decode graph built with ``decode_kernel`` gqa (none for other graphs)."""
+    if spec.compression is None or spec.compression.decode_kernel != "gqa":
+        return {}
+    outputs = {value.name for value in session.get_outputs()}
+    presents = {}
+    for layer in spec.layers:
+        for name in ("k", "v") if layer.compressed else ():
+            if (present := present_name(layer.layer, name)) in outputs:
+                presents[StateTensor(layer.layer, name).input] = present
+    return presents
+
+
+def _rows_of(selected: np.ndarray, shape: list[int]) -> np.ndarray:
+    """A selected state tensor in its buffer's shape: k/v buffers may carry spare rows after the slots
+    (``Compression.spare_rows``), which keep zeros (never read: the kernel writes the token there first)."""
+    if list(selected.shape) == list(shape):
+        return np.ascontiguousarray(selected)
+    padded = np.zeros(shape, selected.dtype)
+    padded[:, :, : selected.shape[2]] = selected
+    return padded
+
+
 class OrtBackend:
     """A dynamic-shape bundle: one session (two where the bundle has a prompt-chunk graph, ``prefill``: then
     multi-token steps run on it); each cache state binds its own buffers to them."""
@@ -212,6 +236,9 @@ class OrtCacheState:
         self._observe_one = np.ones(1, bool)  # one token always observes
         self._logits_dtype = graph.logits_dtype
         self._logits = np.zeros((1, 1, vocab_size), self._logits_dtype)
+        self._presents = {
+            session: _kernel_presents(session, self.spec) for session in (graph.session, self._chunk_session)
+        }
         self._decode = self._binding(
             self._state, self._token, self._position, self._last, self._protect_one, self._logits, self._observe_one
         )
@@ -219,9 +246,12 @@ class OrtCacheState:
     def _binding(self, state, ids, positions, index, protect, logits, observe, session=None) -> ort.IOBinding:
         session = session or self.session
         binding = session.io_binding()
+        presents = self._presents[session]
         for tensor, value in state:
             binding.bind_ortvalue_input(tensor.input, value)
             binding.bind_ortvalue_output(tensor.output, value)
+            if tensor.input in presents:  # the kernel's present is the state's own buffer: nothing is copied
+                binding.bind_ortvalue_output(presents[tensor.input], value)
         feeds = {"input_ids": ids, "position_ids": positions, "logits_index": index}
         if self._protected:
             feeds[PROTECT_INPUT] = protect
@@ -285,7 +315,7 @@ class OrtCacheState:
         }
         for tensor, value in self._state:
             if tensor.layer in kept:
-                value.update_inplace(np.ascontiguousarray(kept[tensor.layer][tensor.name]))
+                value.update_inplace(_rows_of(kept[tensor.layer][tensor.name], value.shape()))
         self._active = self._state
 
     def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:

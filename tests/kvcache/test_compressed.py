@@ -29,9 +29,10 @@ def compressed_model(
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
     storage = cf.STORAGE_TYPES[compression.dtype]
     stored_dim = head_dim // 2 if compression.dtype == "int4" else head_dim
+    rows = capacity + compression.spare_rows  # GroupQueryAttention's spare row (decode_kernel gqa)
     state_types = {
-        "k_cache": (storage, [1, kv_heads, capacity, stored_dim]),
-        "v_cache": (storage, [1, kv_heads, capacity, stored_dim]),
+        "k_cache": (storage, [1, kv_heads, rows, stored_dim]),
+        "v_cache": (storage, [1, kv_heads, rows, stored_dim]),
         "k_scale": (f, [1, kv_heads, capacity, head_dim // compression.group]),
         "v_scale": (f, [1, kv_heads, capacity, head_dim // compression.group]),
         "score": (f, [1, kv_heads, capacity]),
@@ -96,6 +97,9 @@ def _run(
     snap = (lambda x: np.round(x / grid) * grid) if grid else (lambda x: x)  # noqa: E731
     state = reference.empty_compressed_state(kv_heads, capacity, head_dim, compression)
     mine = {name: value.copy() for name, value in _state_feed(state).items()}
+    spare = compression.spare_rows  # k/v rows after the slots (decode_kernel gqa): whatever they hold is unread
+    for name in ("k_cache", "v_cache") if spare else ():
+        mine[name] = np.concatenate([mine[name], np.full_like(mine[name][:, :, :spare], 7.0)], axis=2)
     bound = {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in mine.items()} if in_place else None
     scale = kw.get("scale", head_dim**-0.5)
     for index, (start, count) in enumerate(steps):
@@ -133,7 +137,8 @@ def _run(
         np.testing.assert_array_equal(got["pos"], want["pos"], err_msg=f"slots chosen differ at step {start}")
         np.testing.assert_allclose(got["score"], want["score"], rtol=1e-4, atol=1e-5)
         for name in ("k_cache", "v_cache"):
-            np.testing.assert_array_equal(got[name].view(np.uint8), np.ascontiguousarray(want[name]).view(np.uint8))
+            slots = np.ascontiguousarray(got[name][:, :, :capacity])
+            np.testing.assert_array_equal(slots.view(np.uint8), np.ascontiguousarray(want[name]).view(np.uint8))
         for name in ("k_scale", "v_scale"):
             if name in got:
                 np.testing.assert_allclose(got[name], want[name], rtol=1e-6)
