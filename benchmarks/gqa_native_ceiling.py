@@ -310,7 +310,8 @@ def main() -> None:
                 "fp32": bind_step(graphs["fp32"], args.prompt, CAPACITY),
                 "floor": bind_step(graphs["floor"], FLOOR_POSITION, CAPACITY),
             }
-            steps: dict[str, list[float]] = {key: [] for key in ("genai", "runner", "today", "prototype", "fp32", "floor")}
+            kinds = ("genai", "runner", "today", "prototype", "fp32", "floor")
+            steps: dict[str, list[float]] = {key: [] for key in kinds}
             for round_index in range(args.rounds):
                 for key, name in (("genai", kv_speed.GENAI_INT4), ("runner", kv_speed.COMPRESSED)):
                     _, tokens_per_second = runners[name].run(ids, args.new_tokens)

@@ -1,5 +1,6 @@
 """Decode speed, time to first token and memory with an 8K-token prompt: int4 weights with the compressed cache
-(1024 int8 slots) vs int4 and fp32 with the full cache vs onnxruntime-genai fp32 and int4, SmolLM2-135M, in ONE
+(1024 int8 slots, and 1024 fp32 slots, which one-token steps read through ONNX Runtime's GroupQueryAttention) vs
+int4 and fp32 with the full cache vs onnxruntime-genai fp32 and int4, SmolLM2-135M, in ONE
 process with the runtimes (and thread counts) alternating.
 
     python benchmarks/kv_speed.py          # 3 rounds, prompt 8000 tokens, 64 new tokens, 1 and 2 threads
@@ -43,12 +44,18 @@ CONTEXT = 8192
 COMPRESSED, PLAIN_INT4 = "edgec int4, 1024 int8 slots", "edgec int4, full fp32 cache"
 ONE_ROW = "edgec int4 one row of int8 activations, 1024 int8 slots"
 CHUNK = "edgec int4, 1024 int8 slots, chunk prefill"
+FP32_SLOTS = "edgec int4, 1024 fp32 slots"  # one-token steps through GroupQueryAttention in place (decode_kernel gqa)
 BUNDLES = {  # runner name → (bundle folder, extra edgec build options)
     "edgec fp32, full fp32 cache": ("kv/smollm2-plain.edgec", []),
     PLAIN_INT4: ("kv/smollm2-plain-int4.edgec", ["--weights", "int4"]),
     COMPRESSED: (
         "kv/smollm2-speed-int4-int8.edgec",
         ["--weights", "int4", "--kv-capacity", "1024", "--kv-dtype", "int8"],
+    ),
+    # the slots unquantized: the build reads them with ONNX Runtime's GroupQueryAttention in one-token steps
+    FP32_SLOTS: (
+        "kv/smollm2-speed-int4-fp32slots-gqa.edgec",
+        ["--weights", "int4", "--kv-capacity", "1024", "--kv-dtype", "fp32"],
     ),
     # genai int4's own arithmetic (one row of int8 activations), not the exact default: only with --runtimes
     ONE_ROW: (

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models  # noqa: E402
 
 COMPRESSED, PLAIN = "edgec int4, 1024 int8 slots", "edgec int4, full fp32 cache"
+FP32_SLOTS = "edgec int4, 1024 fp32 slots"  # kv_speed.FP32_SLOTS: decode through GroupQueryAttention in place
 GENAI_FP32, GENAI_INT4 = "onnxruntime-genai fp32", "onnxruntime-genai int4"
 
 
@@ -47,6 +48,9 @@ TARGETS = (
     Target("compressed prefill vs genai fp32", COMPRESSED, GENAI_FP32, "prefill_s_all", 1.00, True),
     Target("compressed decode vs genai int4", COMPRESSED, GENAI_INT4, "decode_tok_s_all", 3.00, False),
     Target("plain prefill vs genai fp32", PLAIN, GENAI_FP32, "prefill_s_all", 1.00, True),  # item 2: beat genai's
+    Target("fp32-slot prefill vs edgec plain", FP32_SLOTS, PLAIN, "prefill_s_all", 1.10, True),
+    Target("fp32-slot prefill vs genai fp32", FP32_SLOTS, GENAI_FP32, "prefill_s_all", 1.00, True),
+    Target("fp32-slot decode vs genai int4", FP32_SLOTS, GENAI_INT4, "decode_tok_s_all", 3.00, False),
 )
 
 # two-sided 95 % Student t quantiles by degrees of freedom (1..30); beyond, the normal's 1.96 is close enough

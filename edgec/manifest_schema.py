@@ -396,6 +396,11 @@ def relation_errors(manifest: dict[str, Any]) -> list[str]:
             reserved = compression["recall"] * compression["recall_block"]
             if compression["capacity"] - reserved < compression["sink"] + compression["window"] + 1:
                 errors.append("cache.compression.capacity less its recall slots must exceed its sink + window")
+        if (
+            compression.get("decode_kernel", "none") == "gqa"
+            and not Compression.from_json(compression).native_decode_fits()
+        ):
+            errors.append("cache.compression.decode_kernel gqa reads fp32 slots of one pool, unrotated, without recall")
         quantized = compression["dtype"] in ("int8", "fp8", "int4")
         for layer in layers:
             if layer.get("compressed") and quantized and layer["head_dim"] % compression["group"]:

@@ -18,61 +18,71 @@ prefill graph runs multi-token steps on it alone (``model.onnx`` refuses them: t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from edgec.kvcache.spec import CacheSpec
 
 PREFILL_FILE = "prefill.onnx"
 
 
-def write_prefill_graph(folder: Path, native_decode: bool = False) -> dict[str, Any]:
+def write_prefill_graph(folder: Path, native_decode: CacheSpec | None = None) -> dict[str, Any]:
     """Write ``prefill.onnx`` beside ``model.onnx`` (weights stay references into model.onnx.data, never copied)
     when the graph has split-activation products, or when its one-token steps read the slots through
-    GroupQueryAttention (``native_decode``: ``Compression.decode_kernel`` gqa, whose presents the decode graph
-    exposes, ``expose_decode_present``); returns the manifest's model entries for it ({} if none)."""
+    GroupQueryAttention (``native_decode``: the cache spec of a bundle built with ``Compression.decode_kernel``
+    gqa, whose presents the decode graph exposes, ``expose_decode_present``); returns the manifest's model entries
+    for it ({} if none)."""
     import onnx_ir as ir
     import onnx_ir.passes.common
 
     model = ir.load(folder / "model.onnx")
     rewritten = sum(_unsplit(node) for node in list(model.graph) if node.op_type == "MatMulNBits")
-    if not rewritten and not native_decode:
+    if not rewritten and native_decode is None:
         return {}
     onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
     ir.save(model, folder / f"{PREFILL_FILE}.tmp")
     _one_branch(folder / f"{PREFILL_FILE}.tmp", "general")
     (folder / f"{PREFILL_FILE}.tmp").replace(folder / PREFILL_FILE)
     _one_branch(folder / "model.onnx", "decode")  # model.onnx: one-token steps only, from now on
-    if native_decode:
-        expose_decode_present(folder / "model.onnx")
+    if native_decode is not None:
+        expose_decode_present(folder / "model.onnx", native_decode)
     return {"prefill_file": PREFILL_FILE}
 
 
-def expose_decode_present(path: Path) -> int:
+def expose_decode_present(path: Path, spec: CacheSpec) -> int:
     """Make GroupQueryAttention's presents in a decode graph graph outputs (``spec.present_name``), which the
     runtime binds to the k/v state's own buffers: the kernel then reads and writes the slots in place (its
     static-cache mode) instead of copying every slot into a fresh present each step. The op's function is
     inlined first (an output inside a function cannot be bound; ONNX Runtime inlines it at load anyway).
-    Rewrites ``path`` (temp file + rename; weights stay references); returns how many layers it exposed."""
+    Rewrites ``path`` (temp file + rename; weights stay references); returns how many presents it exposed."""
     import onnx_ir as ir
     import onnx_ir.passes.common
 
-    from edgec.kvcache.spec import present_name
+    from edgec.kvcache.spec import StateTensor, present_name
 
     model = ir.load(path)
     onnx_ir.passes.common.InlinePass()(model)
-    state_inputs = {value.name: value for value in model.graph.inputs if value.name.startswith("cache.")}
+    inputs = {value.name: value for value in model.graph.inputs}
+    # the compressed layers' k/v state inputs → (layer, name): the pasts the kernel reads
+    pasts = {
+        StateTensor(layer.layer, name).input: (layer.layer, name)
+        for layer in spec.layers
+        if layer.compressed
+        for name in ("k", "v")
+    }
     exposed = 0
     for node in model.graph:
         if node.op_type != "GroupQueryAttention" or "qk_output" not in node.attributes:
             continue
-        past_k, past_v = node.inputs[3], node.inputs[4]
-        if past_k is None or state_inputs.get(past_k.name) is not past_k:
-            continue
-        layer = int(past_k.name.split(".")[1])  # cache.{layer}.k (spec.input_name)
-        for index, (past, name) in enumerate(((past_k, "k"), (past_v, "v")), start=1):
+        for index in (1, 2):  # present k, v ← past k, v (inputs 3, 4)
+            past = node.inputs[index + 2]
+            if past is None or past.name not in pasts or inputs.get(past.name) is not past:
+                continue
             present = node.outputs[index]
-            present.name = present_name(layer, name)
+            present.name = present_name(*pasts[past.name])
             present.type, present.shape = past.type, past.shape
             model.graph.outputs.append(present)
-        exposed += 1
+            exposed += 1
     temporary = path.with_name(f"{path.name}.present")
     ir.save(model, temporary)
     temporary.replace(path)

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from edgec.build import build
 from edgec.cli import main
+from edgec.manifest_schema import manifest_errors
 from edgec.runtime import Model
 from tests.conftest import build_settings, manifest, pydoc_text
 from tests.test_cli import assert_clean_failure
@@ -227,6 +228,11 @@ def test_kernel_decode_equals_the_op_body_with_evictions(tmp_path_factory, tiny_
     build(tiny_llama, portable, build_settings(**{**KV, "target": "cpu-portable"}, **kv))
     assert manifest(native)["cache"]["compression"]["decode_kernel"] == "gqa"
     assert "decode_kernel" not in manifest(portable)["cache"]["compression"]
+    assert manifest_errors(manifest(native)) == []
+    for hostile in ({"dtype": "int8"}, {"rotation": "hadamard", "rotation_seed": 0}, {"decode_kernel": "fast"}):
+        data = manifest(native)
+        data["cache"]["compression"] |= hostile
+        assert any("decode_kernel" in error for error in manifest_errors(data)), hostile
     fast, reference = Model.load(native), Model.load(portable)
     np.testing.assert_allclose(fast.logprobs(text_ids), reference.logprobs(text_ids), atol=2e-4)
     prompt = text_ids[:60]

@@ -39,14 +39,19 @@ def test_schema_is_derived_from_the_fields():
     assert schema_errors(built.to_json(), Compression.schema()) == []
     assert schema_errors({**built.to_json(), "group": "32"}, Compression.schema())
     recall = {"recall", "recall_block", "recall_every"}
-    optional = {"rotation", "rotation_seed", "mixed"} | recall
+    optional = {"rotation", "rotation_seed", "mixed", "decode_kernel"} | recall
     assert {name.rstrip("?") for name in Compression.schema()} == set(built.to_json()) | optional
     rotated = Compression(dtype="int4", rotation="hadamard", mixed="int8").resolved(4096)
     assert schema_errors(rotated.to_json(), Compression.schema()) == []
-    assert set(rotated.to_json()) | recall == {name.rstrip("?") for name in Compression.schema()}
+    kernel = {"decode_kernel"}  # only fp32 slots of one pool (decode_kernel gqa)
+    assert set(rotated.to_json()) | recall | kernel == {name.rstrip("?") for name in Compression.schema()}
     recalling = Compression(dtype="int8", rotation="hadamard", recall=2).resolved(4096)  # recall takes one pool
     assert schema_errors(recalling.to_json(), Compression.schema()) == []
-    assert set(recalling.to_json()) | {"mixed"} == {name.rstrip("?") for name in Compression.schema()}
+    assert set(recalling.to_json()) | {"mixed"} | kernel == {name.rstrip("?") for name in Compression.schema()}
+    native = Compression(dtype="fp32", decode_kernel="gqa").resolved(4096)
+    assert schema_errors(native.to_json(), Compression.schema()) == []
+    assert native.to_json()["decode_kernel"] == "gqa"
+    assert schema_errors({**native.to_json(), "decode_kernel": 1}, Compression.schema())
 
 
 @pytest.mark.parametrize(
