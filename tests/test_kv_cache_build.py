@@ -251,3 +251,11 @@ def test_kernel_decode_equals_the_op_body_with_evictions(tmp_path_factory, tiny_
     presents = fast._idle[-1]._presents[fast._idle[-1].session]
     assert sorted(presents.values()) == sorted(f"present.{n.split('.')[1]}.{n[-1]}" for n in presents)
     assert len(presents) == 2 * manifest(native)["model"]["num_layers"]
+    # a smaller capacity chosen at load keeps its spare row, and a saved state restores into it
+    small, small_reference = Model.load(native, kv_capacity=24), Model.load(portable, kv_capacity=24)
+    assert small.generate(prompt, max_new_tokens=20) == small_reference.generate(prompt, max_new_tokens=20)
+    assert last_state(small)["cache.0.k"].shape[2] == 25
+    saved = last_state(small)
+    restored = small._backend.open_state()
+    restored.restore(saved)
+    assert all(np.array_equal(restored.arrays()[name], value) for name, value in saved.items())
