@@ -49,9 +49,6 @@ class Heads:
 
 
 RECALL_QUERY = "query"  # the output recall adds
-# the names (prefixes: Body.fresh numbers them) of GroupQueryAttention's presents in ``_decode_gqa``, which
-# prefill_graph.expose_decode_present finds and makes graph outputs bound to the state's own buffers
-GQA_PRESENT = {"k_cache": "gqa_present_k_cache", "v_cache": "gqa_present_v_cache"}
 
 # the function's formal names of the state tensors (spec.py's vocabulary; k and v are the new tokens' keys/values)
 FORMAL = {"k": "k_cache", "v": "v_cache"}
@@ -1028,6 +1025,7 @@ def _decode_gqa(b: Body, compression: Compression, scale_attr: str, window_attr:
     same values."""
     per_kv = heads.query // heads.kv
     capacity = b.shape("pos", 2)  # [1]: C
+    rows = b.op("Add", capacity, b.i64([1]))  # [1]: C + 1, the buffer's rows
     position = b.op("Unsqueeze", "position_ids", b.i64([1]))  # [B,1,1]
     has_window = b.op("Greater", window_attr, b.i64(0))
     span = b.op("Where", has_window, window_attr, b.i64(HUGE))
@@ -1035,19 +1033,18 @@ def _decode_gqa(b: Body, compression: Compression, scale_attr: str, window_attr:
     # 0 for a filled slot the query may see, -inf for the rest (empty slots have pos -1); the spare row (the
     # token) is seen: [B,Hkv,C+1], then one row per query head, as the kernel wants it: [B,H,1,C+1]
     hidden = b.op("Where", b.op("GreaterOrEqual", "pos", lowest), b.f32(0.0), b.f32(float("-inf")))
-    token_row = b.op("Expand", b.f32(0.0), b.op("Concat", b.op("Shape", position, end=1), b.i64([heads.kv, 1]), axis=0))
-    bias = b.op("Concat", hidden, token_row, axis=-1)
-    rows = b.op("Concat", b.i64([1, heads.kv, per_kv]), b.op("Add", capacity, b.i64([1])), axis=0)  # Expand: 1, not 0
-    bias = b.op("Expand", b.op("Unsqueeze", bias, b.i64([2])), rows)  # [B,Hkv,G,C+1]
-    bias = b.op("Reshape", bias, b.op("Concat", b.i64([0, heads.query, 1]), b.op("Add", capacity, b.i64([1])), axis=0))
+    bias = b.op("Pad", hidden, b.i64([0, 0, 0, 0, 0, 1]), b.f32(0.0))
+    grouped_rows = b.op("Concat", b.i64([1, heads.kv, per_kv]), rows, axis=0)  # Expand broadcasts 1 to B
+    bias = b.op("Expand", b.op("Unsqueeze", bias, b.i64([2])), grouped_rows)  # [B,Hkv,G,C+1]
+    bias = b.op("Reshape", bias, b.op("Concat", b.i64([0, heads.query, 1]), rows, axis=0))
     # q [B,H,1,D] and k, v [B,Hkv,1,D] hold their one row in the kernel's [B,1,H·D] order already
     query = b.op("Reshape", "q", b.i64([0, 1, heads.query * heads.dim]))
     key = b.op("Reshape", "k", b.i64([0, 1, heads.kv * heads.dim]))
     value = b.op("Reshape", "v", b.i64([0, 1, heads.kv * heads.dim]))
     batch = b.op("Shape", "position_ids", end=1)
     seqlens = b.op("Cast", b.op("Expand", capacity, batch), to=TensorProto.INT32)
-    total_length = b.op("Cast", b.op("Squeeze", b.op("Add", capacity, b.i64([1]))), to=TensorProto.INT32)
-    fused = [b.fresh("gqa_out"), b.fresh(GQA_PRESENT["k_cache"]), b.fresh(GQA_PRESENT["v_cache"]), b.fresh("probs")]
+    total_length = b.op("Cast", b.op("Squeeze", rows), to=TensorProto.INT32)
+    fused = [b.fresh("gqa_out"), b.fresh("gqa_present_k"), b.fresh("gqa_present_v"), b.fresh("gqa_probs")]
     node = helper.make_node(
         "GroupQueryAttention",
         [query, key, value, "k_cache", "v_cache", seqlens, total_length, "", "", "", bias],
@@ -1064,9 +1061,7 @@ def _decode_gqa(b: Body, compression: Compression, scale_attr: str, window_attr:
     out = b.op("Reshape", fused[0], b.i64([0, 1, heads.query, heads.dim]))  # [B,1,H,D]
     total = None
     if policies.get(compression.policy).needs:
-        grouped = b.op(
-            "Reshape", fused[3], b.op("Concat", b.i64([0, heads.kv, per_kv]), b.op("Add", capacity, b.i64([1])), axis=0)
-        )
+        grouped = b.op("Reshape", fused[3], b.op("Concat", b.i64([0, heads.kv, per_kv]), rows, axis=0))
         total = b.op("ReduceSum", grouped, b.i64([2]), keepdims=0)  # [B,Hkv,C+1]
     current = {name: name for name in state_names(compression)}
     current |= {"k_cache": fused[1], "v_cache": fused[2]}  # written after the kernel: no ordering needed
