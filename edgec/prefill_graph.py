@@ -83,6 +83,8 @@ def expose_decode_present(path: Path, spec: CacheSpec) -> int:
             present.type, present.shape = past.type, past.shape
             model.graph.outputs.append(present)
             exposed += 1
+    if exposed != len(pasts):  # a layer left copying its slots each step would be slow, never wrong: say so now
+        raise RuntimeError(f"{path.name}: {exposed} of {len(pasts)} k/v slot buffers are read by the decode kernel")
     temporary = path.with_name(f"{path.name}.present")
     ir.save(model, temporary)
     temporary.replace(path)

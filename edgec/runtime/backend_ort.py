@@ -246,7 +246,7 @@ class OrtCacheState:
     def _binding(self, state, ids, positions, index, protect, logits, observe, session=None) -> ort.IOBinding:
         session = session or self.session
         binding = session.io_binding()
-        presents = self._presents[session]
+        presents = self._presents.get(session, {})
         for tensor, value in state:
             binding.bind_ortvalue_input(tensor.input, value)
             binding.bind_ortvalue_output(tensor.output, value)
