@@ -791,9 +791,7 @@ class _Attend:
             b.i64([0, 1, -1, 1]),
         )  # [B,1,G·n,1], row g·n + t holds position t
         keys = b.op("Unsqueeze", self.key_pos, b.i64([2]))  # [B,Hkv,1,active+T]
-        has_window = b.op("Greater", self.window, b.i64(0))
-        span = b.op("Where", has_window, self.window, b.i64(HUGE))
-        lowest = b.op("Max", b.op("Sub", query_pos, b.op("Sub", span, b.i64(1))), b.i64(0))
+        lowest = _lowest_visible(b, query_pos, self.window)
         valid = b.op("And", b.op("GreaterOrEqual", keys, lowest), b.op("LessOrEqual", keys, query_pos))
         return b.op("Softmax", b.op("Where", valid, scores, b.f32(float("-inf"))), axis=-1)
 
@@ -876,6 +874,19 @@ def _gqa_output(b: Body, attend: _Attend, active: str, new: str, heads: Heads) -
     return b.op("Reshape", fused[0], b.i64([0, 0, heads.query, heads.dim]))
 
 
+def _lowest_visible(b: Body, query_pos: str, window: str) -> str:
+    """The lowest key position each query may see: 0, or with a sliding window (``window`` > 0) q − window + 1."""
+    span = b.op("Where", b.op("Greater", window, b.i64(0)), window, b.i64(HUGE))
+    return b.op("Max", b.op("Sub", query_pos, b.op("Sub", span, b.i64(1))), b.i64(0))
+
+
+def _hidden(b: Body, slot_pos: str, position: str, window: str) -> str:
+    """A one-token step's additive mask over slots: 0 where the token may see the slot, -inf for an empty slot
+    (pos -1) or one below the sliding window. slot_pos [B,Hkv,A], position [B,1,1] → [B,Hkv,A]."""
+    lowest = _lowest_visible(b, position, window)
+    return b.op("Where", b.op("GreaterOrEqual", slot_pos, lowest), b.f32(0.0), b.f32(float("-inf")))
+
+
 def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str, heads: Heads) -> dict[str, str]:
     """One new token per sequence (T = 1): the general meaning, specialised. Every node runs once per layer and
     token, so the head layout is baked in (no shape arithmetic) and quantized slots are never dequantized: the
@@ -906,12 +917,8 @@ def _decode(b: Body, compression: Compression, scale_attr: str, window_attr: str
     scores_new = b.op("MatMul", queries, b.op("Transpose", "k", perm=[0, 1, 3, 2]))  # [B,Hkv,G,1]
     # every filled slot is in the past of the one query; a sliding window still bounds it from below
     position = b.op("Unsqueeze", "position_ids", b.i64([1]))  # [B,1,1]
-    old_pos = active_slots("pos")
-    has_window = b.op("Greater", window_attr, b.i64(0))
-    span = b.op("Where", has_window, window_attr, b.i64(HUGE))
-    lowest = b.op("Max", b.op("Sub", position, b.op("Sub", span, b.i64(1))), b.i64(0))
     # masked by adding 0 or -inf: a Where broadcast over the query rows is several times slower in ORT
-    hidden = b.op("Where", b.op("GreaterOrEqual", old_pos, lowest), b.f32(0.0), b.f32(float("-inf")))
+    hidden = _hidden(b, active_slots("pos"), position, window_attr)
     masked_old = b.op("Add", scores_old, b.op("Unsqueeze", hidden, b.i64([2])))  # [B,Hkv,G,A] + [B,Hkv,1,A]
     probs = b.op("Softmax", b.op("Mul", b.op("Concat", masked_old, scores_new, axis=-1), scale_attr), axis=-1)
     probs_old = b.op("Slice", probs, b.i64([0]), active, b.i64([-1]))
@@ -1027,12 +1034,9 @@ def _decode_gqa(b: Body, compression: Compression, scale_attr: str, window_attr:
     capacity = b.shape("pos", 2)  # [1]: C
     rows = b.op("Add", capacity, b.i64([1]))  # [1]: C + 1, the buffer's rows
     position = b.op("Unsqueeze", "position_ids", b.i64([1]))  # [B,1,1]
-    has_window = b.op("Greater", window_attr, b.i64(0))
-    span = b.op("Where", has_window, window_attr, b.i64(HUGE))
-    lowest = b.op("Max", b.op("Sub", position, b.op("Sub", span, b.i64(1))), b.i64(0))
-    # 0 for a filled slot the query may see, -inf for the rest (empty slots have pos -1); the spare row (the
-    # token) is seen: [B,Hkv,C+1], then one row per query head, as the kernel wants it: [B,H,1,C+1]
-    hidden = b.op("Where", b.op("GreaterOrEqual", "pos", lowest), b.f32(0.0), b.f32(float("-inf")))
+    # the slots as _decode masks them; the spare row (the token) is seen: [B,Hkv,C+1], then one row per query
+    # head, as the kernel wants it: [B,H,1,C+1]
+    hidden = _hidden(b, "pos", position, window_attr)
     bias = b.op("Pad", hidden, b.i64([0, 0, 0, 0, 0, 1]), b.f32(0.0))
     grouped_rows = b.op("Concat", b.i64([1, heads.kv, per_kv]), rows, axis=0)  # Expand broadcasts 1 to B
     bias = b.op("Expand", b.op("Unsqueeze", bias, b.i64([2])), grouped_rows)  # [B,Hkv,G,C+1]

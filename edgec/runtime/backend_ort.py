@@ -140,6 +140,7 @@ class OrtGraph:
             raise BundleError(f"{model_path.name} does not carry the cache state its manifest names ({problem})")
         self.spec = spec
         self.observes = OBSERVE_INPUT in inputs  # graphs built before the input existed always observe
+        self.presents = _kernel_presents(outputs, spec)  # state input → the kernel's present bound beside it
         logits_type = next(o.type for o in self.session.get_outputs() if o.name == "logits")
         self.logits_dtype = np.float16 if logits_type == "tensor(float16)" else np.float32
 
@@ -152,12 +153,11 @@ def _allocate(spec: CacheSpec, device: StateDevice, compressed_slots: int | None
     ]
 
 
-def _kernel_presents(session: ort.InferenceSession, spec: CacheSpec) -> dict[str, str]:
+def _kernel_presents(outputs: set[str], spec: CacheSpec) -> dict[str, str]:
     """State input → the graph output bound to its buffer beside ``new_…``: GroupQueryAttention's present of a
     compressed layer's k/v in a decode graph built with ``decode_kernel`` gqa (none for other graphs)."""
     if spec.compression is None or spec.compression.decode_kernel != "gqa":
         return {}
-    outputs = {value.name for value in session.get_outputs()}
     presents = {}
     for layer in spec.layers:
         for name in ("k", "v") if layer.compressed else ():
@@ -236,9 +236,7 @@ class OrtCacheState:
         self._observe_one = np.ones(1, bool)  # one token always observes
         self._logits_dtype = graph.logits_dtype
         self._logits = np.zeros((1, 1, vocab_size), self._logits_dtype)
-        self._presents = {
-            session: _kernel_presents(session, self.spec) for session in (graph.session, self._chunk_session)
-        }
+        self._presents = {one.session: one.presents for one in (prefill or graph, graph)}  # per graph, found once
         self._decode = self._binding(
             self._state, self._token, self._position, self._last, self._protect_one, self._logits, self._observe_one
         )
