@@ -26,12 +26,12 @@ if TYPE_CHECKING:
 PREFILL_FILE = "prefill.onnx"
 
 
-def write_prefill_graph(folder: Path, native_decode: CacheSpec | None = None) -> dict[str, Any]:
+def write_prefill_graph(folder: Path, native_decode: CacheSpec | None = None, context: int = 0) -> dict[str, Any]:
     """Write ``prefill.onnx`` beside ``model.onnx`` (weights stay references into model.onnx.data, never copied)
     when the graph has split-activation products, or when its one-token steps read the slots through
     GroupQueryAttention (``native_decode``: the cache spec of a bundle built with ``Compression.decode_kernel``
-    gqa, whose presents the decode graph exposes, ``expose_decode_present``); returns the manifest's model entries
-    for it ({} if none)."""
+    gqa, whose presents the decode graph exposes, ``expose_decode_present``; ``context``: the bundle's longest
+    sequence, the positions its rotary tables cover); returns the manifest's model entries for it ({} if none)."""
     import onnx_ir as ir
     import onnx_ir.passes.common
 
@@ -45,15 +45,16 @@ def write_prefill_graph(folder: Path, native_decode: CacheSpec | None = None) ->
     (folder / f"{PREFILL_FILE}.tmp").replace(folder / PREFILL_FILE)
     _one_branch(folder / "model.onnx", "decode")  # model.onnx: one-token steps only, from now on
     if native_decode is not None:
-        expose_decode_present(folder / "model.onnx", native_decode)
+        expose_decode_present(folder / "model.onnx", native_decode, context)
     return {"prefill_file": PREFILL_FILE}
 
 
-def expose_decode_present(path: Path, spec: CacheSpec) -> int:
+def expose_decode_present(path: Path, spec: CacheSpec, context: int = 0) -> int:
     """Make GroupQueryAttention's presents in a decode graph graph outputs (``spec.present_name``), which the
     runtime binds to the k/v state's own buffers: the kernel then reads and writes the slots in place (its
     static-cache mode) instead of copying every slot into a fresh present each step. The op's function is
-    inlined first (an output inside a function cannot be bound; ONNX Runtime inlines it at load anyway).
+    inlined first (an output inside a function cannot be bound; ONNX Runtime inlines it at load anyway), and
+    with ``context`` > 0 the model's head split and RoPE are folded into each kernel (``fold_decode_rotary``).
     Rewrites ``path`` (temp file + rename; weights stay references); returns how many presents it exposed."""
     import onnx_ir as ir
     import onnx_ir.passes.common
@@ -62,6 +63,8 @@ def expose_decode_present(path: Path, spec: CacheSpec) -> int:
 
     model = ir.load(path)
     onnx_ir.passes.common.InlinePass()(model)
+    if context:
+        fold_decode_rotary(model, context)
     inputs = {value.name: value for value in model.graph.inputs}
     # the compressed layers' k/v state inputs → (layer, name): the pasts the kernel reads
     pasts = {
@@ -89,6 +92,82 @@ def expose_decode_present(path: Path, spec: CacheSpec) -> int:
     ir.save(model, temporary)
     temporary.replace(path)
     return exposed
+
+
+def fold_decode_rotary(model: Any, context: int) -> int:
+    """In an inlined decode graph, let each compressed layer's GroupQueryAttention (``_decode_gqa``) take the
+    model's packed q/k/v projection and apply RoPE itself (``do_rotary``, cos/sin tables for positions
+    0..context evaluated from the model's own rotary subgraph, explicit ``position_ids``), as
+    ``passes/kv_attention_gqa`` does for plain layers: the head split (Reshape, Transpose ×3), both
+    RotaryEmbeddings and the kernel's input Reshapes go — ~12 nodes per layer whose dispatch is a fifth of a
+    1,024-slot SmolLM2 step on two CPU cores (docs/BENCHMARKS.md). The eviction tail then reads the token's rotated
+    k and its v from the row the kernel wrote them into (the spare row, the buffer's last). A layer whose q/k/v
+    are not one packed projection with standard RoPE keeps its inputs. ONNX Runtime refuses a position outside
+    the tables; the runtime never feeds one (generation stops at the context). Returns how many layers folded."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common
+
+    from edgec.passes._graph import take_over
+    from edgec.passes.kv_attention_gqa import _i64, _merge_heads_away, _packed_rotary_source, _rope_tables
+
+    graph = model.graph
+    position_ids = next((value for value in graph.inputs if value.name == "position_ids"), None)
+    tables: dict[ir.Value, tuple[ir.Value, ir.Value]] = {}
+    folded = 0
+    for node in list(graph):
+        if node.op_type != "GroupQueryAttention" or "qk_output" not in node.attributes or position_ids is None:
+            continue
+        if "do_rotary" in node.attributes or len(node.inputs) != 11:
+            continue
+        heads, kv_heads = node.attributes["num_heads"].as_int(), node.attributes["kv_num_heads"].as_int()
+        head_dim = node.inputs[3].shape[3] if node.inputs[3].shape is not None else None
+        # the body's Reshapes of q [B,H,1,D], k and v [B,Hkv,1,D] into the kernel's [B,1,N·D]
+        token = [_reshaped_from(value) for value in node.inputs[:3]]
+        if None in token or not isinstance(head_dim, int):
+            continue
+        packed = _packed_rotary_source(*token, heads, kv_heads, head_dim)
+        if packed is None:
+            continue
+        qkv, cos, sin = packed
+        angles = cos.producer().inputs[0] if cos.producer() is not None else cos  # one table per angle tensor
+        if angles not in tables:
+            # rows for every position, and at least the kernel's total length (C + 1 rows ≤ context + 1)
+            rows = context + 1
+            tables[angles] = _rope_tables(graph, cos, sin, position_ids, rows, len(tables), prefix="decode_rope")
+        cos_table, sin_table = tables[angles]
+        inputs = [qkv, None, None, *node.inputs[3:7], cos_table, sin_table, position_ids, node.inputs[10]]
+        attributes = [*node.attributes.values(), ir.AttrInt64("do_rotary", 1), ir.AttrInt64("rotary_interleaved", 0)]
+        kernel = ir.Node("com.microsoft", "GroupQueryAttention", inputs, attributes, num_outputs=4)
+        tape = ir.tape.Tape(graph_like=graph)
+        spare, end, rows = _i64(tape, [-1]), _i64(tape, [2**62]), _i64(tape, [2])
+        spare_k = tape.op("Slice", [kernel.outputs[1], spare, end, rows])  # [B,Hkv,1,D]: the token, rotated
+        spare_v = tape.op("Slice", [kernel.outputs[2], spare, end, rows])
+        graph.insert_before(node, [kernel, *tape.nodes])
+        for old, new in zip(node.outputs, kernel.outputs, strict=True):
+            take_over(old, new)
+        reshapes = [value.producer() for value in node.inputs[:3]]
+        graph.remove(node, safe=True)
+        graph.remove([r for r in reshapes if not r.outputs[0].uses() and not r.outputs[0].is_graph_output()], safe=True)
+        # what else read the token's rotated k and its v (the eviction tail's scatter) reads the kernel's copy
+        token[1].replace_all_uses_with(spare_k)
+        token[2].replace_all_uses_with(spare_v)
+        out = kernel.outputs[0]
+        for use in list(out.uses()):  # the body's [B,1,H,D] (through the inlined Identity) the model merges back
+            if use.node.op_type == "Reshape":  # into [B,1,H·D]: the kernel's own output
+                merged = use.node.outputs[0]
+                while len(merged.uses()) == 1 and next(iter(merged.uses())).node.op_type == "Identity":
+                    merged = next(iter(merged.uses())).node.outputs[0]
+                _merge_heads_away(graph, merged, out, heads * head_dim)
+        folded += 1
+    if folded:
+        onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
+    return folded
+
+
+def _reshaped_from(value: Any) -> Any:
+    """x when ``value`` is Reshape(x, shape), else None."""
+    producer = value.producer() if value is not None else None
+    return producer.inputs[0] if producer is not None and producer.op_type == "Reshape" else None
 
 
 def _one_branch(path: Path, kind: str) -> bool:

@@ -219,9 +219,12 @@ def _packed_rotary_source(q, k, v, num_heads, num_kv_heads, head_dim):
     return split.inputs[0], rotary_q.inputs[1], rotary_q.inputs[2]
 
 
-def _rope_tables(graph: ir.Graph, cos: ir.Value, sin: ir.Value, position_ids: ir.Value, capacity: int, suffix: int):
+def _rope_tables(
+    graph: ir.Graph, cos: ir.Value, sin: ir.Value, position_ids: ir.Value, capacity: int, suffix: int, prefix="rope"
+):
     """cos/sin [capacity, D/2] for positions 0..capacity-1, computed by running the model's own rotary subgraph
-    (so any rope scaling it computes from position_ids is reproduced exactly, by the same kernels)."""
+    (so any rope scaling it computes from position_ids is reproduced exactly, by the same kernels); initializers
+    named ``{prefix}{suffix}.cos_cache`` / ``.sin_cache``."""
     import onnxruntime as ort
 
     nodes, seen, stack = [], set(), [cos.producer(), sin.producer()]
@@ -253,7 +256,7 @@ def _rope_tables(graph: ir.Graph, cos: ir.Value, sin: ir.Value, position_ids: ir
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     cos_table, sin_table = session.run(None, {position_ids.name: np.arange(capacity, dtype=np.int64)[None]})
     values = []
-    for name, table in ((f"rope{suffix}.cos_cache", cos_table), (f"rope{suffix}.sin_cache", sin_table)):
+    for name, table in ((f"{prefix}{suffix}.cos_cache", cos_table), (f"{prefix}{suffix}.sin_cache", sin_table)):
         value = ir.Value(name=name, const_value=ir.tensor(np.ascontiguousarray(table[0], dtype=np.float32)))
         value.shape, value.type = ir.Shape(table[0].shape), ir.TensorType(ir.DataType.FLOAT)
         graph.register_initializer(value)

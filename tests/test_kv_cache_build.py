@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from edgec.build import build
 from edgec.cli import main
+from edgec.errors import GenerationError
 from edgec.manifest_schema import manifest_errors
 from edgec.runtime import Model
 from tests.conftest import build_settings, manifest, pydoc_text
@@ -42,7 +43,14 @@ def test_full_capacity_fp32_equals_uncompressed(tmp_path_factory, tiny_llama, ti
     chunks = onnx.load(bundle / "prefill.onnx", load_external_data=False).graph
     assert [node.op_type for node in chunks.node].count("CompressedKVAttention") == layers
     decode = onnx.load(bundle / "model.onnx", load_external_data=False).graph
-    assert [node.op_type for node in decode.node].count("GroupQueryAttention") == layers
+    kernels = [node for node in decode.node if node.op_type == "GroupQueryAttention"]
+    assert len(kernels) == layers
+    # the model's head split and RoPE folded into each kernel (prefill_graph.fold_decode_rotary): it reads the
+    # packed projection and rotates with tables for every position up to the context (+1: the spare row)
+    assert "RotaryEmbedding" not in {node.op_type for node in decode.node}
+    assert all(onnx.helper.get_node_attr_value(node, "do_rotary") == 1 for node in kernels)
+    tables = {tensor.name: tensor.dims for tensor in decode.initializer if tensor.name.startswith("decode_rope")}
+    assert tables and all(dims[0] == KV["context"] + 1 for dims in tables.values())
     presents = {output.name for output in decode.output if output.name.startswith("present.")}
     assert presents == {f"present.{layer}.{name}" for layer in range(layers) for name in ("k", "v")}
     compressed, plain = Model.load(bundle), Model.load(tiny_bundle)
@@ -255,6 +263,11 @@ def test_kernel_decode_equals_the_op_body_with_evictions(tmp_path_factory, tiny_
     small, small_reference = Model.load(native, kv_capacity=24), Model.load(portable, kv_capacity=24)
     assert small.generate(prompt, max_new_tokens=20) == small_reference.generate(prompt, max_new_tokens=20)
     assert last_state(small)["cache.0.k"].shape[2] == 25
+    # more slots than the context has positions is refused at load (the kernel's rotary tables end there)
+    with pytest.raises(GenerationError, match="exceeds the context"):
+        Model.load(native, kv_capacity=KV["context"] + 1)
+    with pytest.raises(GenerationError, match="exceeds the context"):
+        fast.generate_ids(prompt, max_new_tokens=2, kv_capacity=KV["context"] + 1)
     saved = last_state(small)
     restored = small._backend.open_state()
     restored.restore(saved)

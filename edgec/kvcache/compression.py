@@ -245,15 +245,16 @@ class Compression:
                 "built for one slot pool; use one of them"
             )
 
-    def override(self, head_dim: int, **changes: Any) -> Compression:
+    def override(self, head_dim: int, context: int | None = None, **changes: Any) -> Compression:
         """These settings with the changes a loaded bundle may take (``Option.at_load``), checked as a build
-        would check them; None values are ignored."""
+        would check them (against the bundle's ``context``: no more slots than positions); None values are
+        ignored."""
         changes = {name: value for name, value in changes.items() if value is not None}
         movable = {name for name, _, option in self.options() if option.at_load}
         if fixed := sorted(set(changes) - movable):
             raise BuildSettingsError(f"{', '.join(fixed)} is fixed when the bundle is built; rebuild to change it")
         changed = replace(self, **changes)
-        changed.check(head_dim)
+        changed.check(head_dim, context)
         return changed
 
     # --- what the settings imply -------------------------------------------------------------------------------

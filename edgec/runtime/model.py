@@ -92,8 +92,9 @@ class Model:
         self.path = path
         self.manifest = manifest = upgrade_manifest(manifest)
         spec = CacheSpec.from_json(manifest["cache"])
-        self.cache_spec = _with_overrides(spec, kv_capacity=kv_capacity, prefill_compress=prefill_compress, **recall)
         self.context = int(manifest["model"]["context"])
+        overrides = dict(kv_capacity=kv_capacity, prefill_compress=prefill_compress, **recall)
+        self.cache_spec = _with_overrides(spec, self.context, **overrides)
         self.vocab_size = int(manifest["model"]["vocab_size"])
         run = manifest["runtime"]
         self.prefill_chunk = int(run["prefill_chunk"])
@@ -177,7 +178,7 @@ class Model:
             raise GenerationError("kv_capacity (an int) applies to a bundle with a compressed cache (--kv-*)")
         head_dim = next(layer.head_dim for layer in self.cache_spec.layers if layer.compressed)
         try:
-            compression.override(head_dim, capacity=kv_capacity)  # checks it (room to evict)
+            compression.override(head_dim, self.context, capacity=kv_capacity)  # checks it (room to evict)
         except BuildSettingsError as error:
             raise GenerationError(str(error)) from None
 
@@ -643,7 +644,7 @@ def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return picked - peak[:, 0].astype(np.float64) - np.log(total)
 
 
-def _with_overrides(spec: CacheSpec, **overrides: Any) -> CacheSpec:
+def _with_overrides(spec: CacheSpec, context: int, **overrides: Any) -> CacheSpec:
     """The bundle's cache with the settings ``Model.load`` may change (keyword names as ``--kv-*`` flags:
     ``kv_capacity``, ``prefill_compress``; ``Compression.override`` says which may change and checks them)."""
     changes = {Compression.parameters()[key]: value for key, value in overrides.items() if value is not None}
@@ -653,7 +654,7 @@ def _with_overrides(spec: CacheSpec, **overrides: Any) -> CacheSpec:
         raise BundleError("kv_capacity/prefill_compress apply to a compressed cache; this bundle has none (--kv-*)")
     head_dim = next(layer.head_dim for layer in spec.layers if layer.compressed)
     try:
-        compression = spec.compression.override(head_dim, **changes)
+        compression = spec.compression.override(head_dim, context, **changes)
     except BuildSettingsError as error:
         raise GenerationError(str(error)) from None
     return dataclasses.replace(spec.with_capacity(compression.capacity), compression=compression)
