@@ -99,8 +99,8 @@ def fold_decode_rotary(model: Any, context: int) -> int:
     model's packed q/k/v projection and apply RoPE itself (``do_rotary``, cos/sin tables for positions
     0..context evaluated from the model's own rotary subgraph, explicit ``position_ids``), as
     ``passes/kv_attention_gqa`` does for plain layers: the head split (Reshape, Transpose ×3), both
-    RotaryEmbeddings and the kernel's input Reshapes go — ~12 nodes per layer whose dispatch is a fifth of a
-    1,024-slot SmolLM2 step on two CPU cores (docs/BENCHMARKS.md). The eviction tail then reads the token's rotated
+    RotaryEmbeddings and the kernel's input Reshapes go — ~12 nodes per layer (SmolLM2, 1,024 slots, two CPU
+    cores: a few per cent of a step, measured side by side). The eviction tail then reads the token's rotated
     k and its v from the row the kernel wrote them into (the spare row, the buffer's last). A layer whose q/k/v
     are not one packed projection with standard RoPE keeps its inputs. ONNX Runtime refuses a position outside
     the tables; the runtime never feeds one (generation stops at the context). Returns how many layers folded."""
@@ -112,12 +112,13 @@ def fold_decode_rotary(model: Any, context: int) -> int:
 
     graph = model.graph
     position_ids = next((value for value in graph.inputs if value.name == "position_ids"), None)
+    if position_ids is None:
+        return 0
     tables: dict[ir.Value, tuple[ir.Value, ir.Value]] = {}
     folded = 0
     for node in list(graph):
-        if node.op_type != "GroupQueryAttention" or "qk_output" not in node.attributes or position_ids is None:
-            continue
-        if "do_rotary" in node.attributes or len(node.inputs) != 11:
+        kernel_step = node.op_type == "GroupQueryAttention" and "qk_output" in node.attributes
+        if not kernel_step or "do_rotary" in node.attributes or len(node.inputs) != 11:
             continue
         heads, kv_heads = node.attributes["num_heads"].as_int(), node.attributes["kv_num_heads"].as_int()
         head_dim = node.inputs[3].shape[3] if node.inputs[3].shape is not None else None

@@ -220,7 +220,13 @@ def _packed_rotary_source(q, k, v, num_heads, num_kv_heads, head_dim):
 
 
 def _rope_tables(
-    graph: ir.Graph, cos: ir.Value, sin: ir.Value, position_ids: ir.Value, capacity: int, suffix: int, prefix="rope"
+    graph: ir.Graph,
+    cos: ir.Value,
+    sin: ir.Value,
+    position_ids: ir.Value,
+    capacity: int,
+    suffix: int,
+    prefix: str = "rope",
 ):
     """cos/sin [capacity, D/2] for positions 0..capacity-1, computed by running the model's own rotary subgraph
     (so any rope scaling it computes from position_ids is reproduced exactly, by the same kernels); initializers
