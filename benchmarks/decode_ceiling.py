@@ -1,10 +1,12 @@
 """How fast could any KV cache make edgec's decode, against onnxruntime-genai int4 at a long prompt? One run:
 
-    python benchmarks/decode_ceiling.py [--prompt 8000] [--threads 1,2] [--rounds 2]
+    python benchmarks/decode_ceiling.py [--prompt 8000] [--threads 1,2] [--rounds 2] [--compressed NAME]
 
 For each thread count, round by round in one process: onnxruntime-genai int4 decoding after the long prompt (its
-step reads the whole fp32 cache), edgec's compressed int4 bundle after the same prompt (1024 int8 slots, the
-default exact int4 weights: benchmarks/kv_speed.py's bundle), and edgec's plain int4 bundle after a 64-token prompt
+step reads the whole fp32 cache), edgec's compressed int4 bundle after the same prompt (``--compressed``: one of
+benchmarks/kv_speed.py's bundles, by default its 1024 fp32 slots read in place by GroupQueryAttention — the fastest
+built; "edgec int4, 1024 int8 slots" for the op's own int8 slots; the default exact int4 weights), and edgec's
+plain int4 bundle after a 64-token prompt
 — the **floor**: the same weights and graph around attention, with a cache too short to cost anything. A cache that
 cost nothing at all would decode at the floor's speed, so ``genai step / floor step`` is the most any cache design
 can give over genai int4 at this prompt, and ``compressed step - floor step`` is what edgec's cache costs now.
@@ -45,13 +47,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--compressed", default=kv_speed.FP32_SLOTS, choices=list(kv_speed.BUNDLES))
     parser.add_argument("--plot-only", action="store_true", help="redraw the plot from the saved results")
     args = parser.parse_args()
     if args.plot_only:
         plot(json.loads(RESULTS.read_text()), RESULTS.with_suffix(".png"))
         return
     thread_counts = [int(t) for t in args.threads.split(",")]
-    names = [kv_speed.GENAI_INT4, kv_speed.COMPRESSED, kv_speed.PLAIN_INT4]
+    names = [kv_speed.GENAI_INT4, args.compressed, kv_speed.PLAIN_INT4]
     kv_speed.prepare(names)
     ids = kv_speed.prompt_ids(args.prompt)
     rows = {}
@@ -62,9 +65,9 @@ def main() -> None:
         steps: dict[str, list[float]] = {"genai": [], "compressed": [], "floor": [], "short": []}
         for round_index in range(args.rounds):
             steps["genai"].append(step_ms(runners[kv_speed.GENAI_INT4], ids, args.new_tokens))
-            steps["compressed"].append(step_ms(runners[kv_speed.COMPRESSED], ids, args.new_tokens))
+            steps["compressed"].append(step_ms(runners[args.compressed], ids, args.new_tokens))
             steps["floor"].append(step_ms(runners[kv_speed.PLAIN_INT4], ids[:FLOOR_PROMPT], args.new_tokens))
-            steps["short"].append(step_ms(runners[kv_speed.COMPRESSED], ids[:FLOOR_PROMPT], args.new_tokens))
+            steps["short"].append(step_ms(runners[args.compressed], ids[:FLOOR_PROMPT], args.new_tokens))
             latest = ", ".join(f"{name} {values[-1]:.1f} ms" for name, values in steps.items())
             print(f"{threads} thread(s), round {round_index}: {latest}", flush=True)
         del runners
@@ -93,6 +96,7 @@ def main() -> None:
         "machine": measure.machine(),
         "prompt": args.prompt,
         "floor_prompt": FLOOR_PROMPT,
+        "compressed": args.compressed,
         "rows": rows,
     }
     RESULTS.write_text(json.dumps(results, indent=2))
@@ -114,11 +118,12 @@ def main() -> None:
 def plot(results: dict, path: Path) -> None:
     """Per thread count: the three steps as bars, the ceiling and the achieved ratio written on them."""
     rows = results["rows"]
+    compressed = results.get("compressed", kv_speed.COMPRESSED)  # older results: the int8 slots
     kinds = [
         ("genai_int4_ms", f"onnxruntime-genai int4, prompt {results['prompt']}"),
-        ("compressed_ms", f"edgec int4 + 1024 int8 slots, prompt {results['prompt']}"),
+        ("compressed_ms", f"{compressed}, prompt {results['prompt']}"),
         ("floor_ms", f"edgec int4, prompt {results['floor_prompt']} (no cache cost: the floor)"),
-        ("compressed_short_ms", f"edgec int4 + 1024 int8 slots, prompt {results['floor_prompt']} (the op's nodes)"),
+        ("compressed_short_ms", f"{compressed}, prompt {results['floor_prompt']} (the op's nodes)"),
     ]
     kinds = [(key, label) for key, label in kinds if all(key in row for row in rows.values())]  # older results
     notes = [

@@ -65,6 +65,7 @@ def expose_decode_present(path: Path, spec: CacheSpec, context: int = 0) -> int:
     onnx_ir.passes.common.InlinePass()(model)
     if context:
         fold_decode_rotary(model, context)
+    share_decode_bias(model, spec)
     inputs = {value.name: value for value in model.graph.inputs}
     # the compressed layers' k/v state inputs → (layer, name): the pasts the kernel reads
     pasts = {
@@ -163,6 +164,53 @@ def fold_decode_rotary(model: Any, context: int) -> int:
     if folded:
         onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
     return folded
+
+
+def share_decode_bias(model: Any, spec: CacheSpec) -> int:
+    """In an inlined decode graph, give every compressed layer without a sliding window one attention bias,
+    [B, 1, 1, C + 1], computed once per step from the first such layer's slot positions, in place of each
+    layer's own [B, H, 1, C + 1] (``_decode_gqa``: ~13 nodes per layer of masks, pads and expands to the query
+    heads). Without a window a layer's bias only hides its empty slots, and those are the same in every head
+    and every such layer: each step writes one token into every head of every layer, empty slots fill lowest
+    first, a prompt's chunks fill them in order and an ``end`` prompt's selection fills them all. The layers
+    with a window keep their own. Returns how many kernels take the shared bias."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common
+
+    from edgec.kvcache.spec import StateTensor
+    from edgec.passes.kv_attention_gqa import _i64
+
+    graph = model.graph
+    global_layers = [layer.layer for layer in spec.layers if layer.compressed and not layer.window]
+    windowless = {StateTensor(layer, "k").input: layer for layer in global_layers}
+    inputs = {value.name: value for value in graph.inputs}
+    kernels = [
+        node
+        for node in graph
+        if node.op_type == "GroupQueryAttention"
+        and "qk_output" in node.attributes
+        and len(node.inputs) == 11
+        and node.inputs[10] is not None
+        and node.inputs[3] is not None
+        and node.inputs[3].name in windowless
+    ]
+    positions = inputs.get(StateTensor(windowless[kernels[0].inputs[3].name], "pos").input) if kernels else None
+    if positions is None:
+        return 0
+    tape = ir.tape.Tape(graph_like=graph)
+    zero = tape.op("Constant", [], attributes={"value": ir.tensor(0.0, dtype=ir.DataType.FLOAT)})
+    hidden = tape.op("Constant", [], attributes={"value": ir.tensor(float("-inf"), dtype=ir.DataType.FLOAT)})
+    first_head = tape.op("Slice", [positions, _i64(tape, [0]), _i64(tape, [1]), _i64(tape, [1])])  # [B,1,C]
+    filled = tape.op("GreaterOrEqual", [first_head, _i64(tape, [0])])
+    mask = tape.op("Where", [filled, zero, hidden])
+    # the spare row (the token itself) is always seen; one row for every query head: [B,1,1,C+1]
+    mask = tape.op("Pad", [mask, _i64(tape, [0, 0, 0, 0, 0, 1]), zero])
+    bias = tape.op("Unsqueeze", [mask, _i64(tape, [2])])
+    graph.insert_before(kernels[0], tape.nodes)
+    for kernel in kernels:
+        kernel.replace_input_with(10, bias)
+    onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
+    return len(kernels)
 
 
 def _reshaped_from(value: Any) -> Any:
