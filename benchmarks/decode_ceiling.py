@@ -131,7 +131,7 @@ def plot(results: dict, path: Path) -> None:
         for row in rows.values()
     ]
     title = f"Decode vs onnxruntime-genai int4: the most a KV cache can give ({results['machine']}, {results['date']})"
-    step_bars(rows, kinds, notes, title, path, headroom=1.35)
+    step_bars(rows, kinds, notes, title, path, headroom=1.35, title_size=10)
 
 
 def step_bars(
