@@ -24,7 +24,7 @@ def _layer_nodes(layer: int) -> list[onnx.NodeProto]:
     p = f"l{layer}_"
     window = WINDOWS[layer]
     lowest = f"{p}lowest"
-    nodes = [
+    return [
         helper.make_node("Constant", [], [f"{p}span"], value_ints=[window - 1 if window else 2**40]),
         helper.make_node("Sub", ["position", f"{p}span"], [f"{p}first"]),
         helper.make_node("Constant", [], [f"{p}zero_i"], value_ints=[0]),
@@ -46,7 +46,6 @@ def _layer_nodes(layer: int) -> list[onnx.NodeProto]:
             qk_output=2,
         ),
     ]
-    return nodes
 
 
 def _model() -> onnx.ModelProto:
