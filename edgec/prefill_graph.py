@@ -76,7 +76,7 @@ def expose_decode_present(path: Path, spec: CacheSpec, context: int = 0) -> int:
     }
     exposed = 0
     for node in model.graph:
-        if node.op_type != "GroupQueryAttention" or "qk_output" not in node.attributes:
+        if not _is_decode_kernel(node):
             continue
         for index in (1, 2):  # present k, v ← past k, v (inputs 3, 4)
             past = node.inputs[index + 2]
@@ -118,8 +118,7 @@ def fold_decode_rotary(model: Any, context: int) -> int:
     tables: dict[ir.Value, tuple[ir.Value, ir.Value]] = {}
     folded = 0
     for node in list(graph):
-        kernel_step = node.op_type == "GroupQueryAttention" and "qk_output" in node.attributes
-        if not kernel_step or "do_rotary" in node.attributes or len(node.inputs) != 11:
+        if not _is_decode_kernel(node) or "do_rotary" in node.attributes or len(node.inputs) != 11:
             continue
         heads, kv_heads = node.attributes["num_heads"].as_int(), node.attributes["kv_num_heads"].as_int()
         head_dim = node.inputs[3].shape[3] if node.inputs[3].shape is not None else None
@@ -187,8 +186,7 @@ def share_decode_bias(model: Any, spec: CacheSpec) -> int:
     kernels = [
         node
         for node in graph
-        if node.op_type == "GroupQueryAttention"
-        and "qk_output" in node.attributes
+        if _is_decode_kernel(node)
         and len(node.inputs) == 11
         and node.inputs[10] is not None
         and node.inputs[3] is not None
@@ -211,6 +209,12 @@ def share_decode_bias(model: Any, spec: CacheSpec) -> int:
         kernel.replace_input_with(10, bias)
     onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
     return len(kernels)
+
+
+def _is_decode_kernel(node: Any) -> bool:
+    """A compressed layer's one-token kernel (``_decode_gqa``): GroupQueryAttention returning its probabilities,
+    which the plain layers' kernels (``passes/kv_attention_gqa``) never do."""
+    return node.op_type == "GroupQueryAttention" and "qk_output" in node.attributes
 
 
 def _reshaped_from(value: Any) -> Any:
