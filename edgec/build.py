@@ -311,7 +311,8 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
         from edgec.prefill_graph import write_prefill_graph
 
         native_decode = plan.kv is not None and plan.kv.decode_kernel == "gqa"
-        model_files |= write_prefill_graph(folder, spec if native_decode else None, plan.context)
+        cache = spec if plan.kv is not None else None
+        model_files |= write_prefill_graph(folder, spec if native_decode else None, plan.context, cache)
     loaded.tokenizer.save_pretrained(folder)
     chat_format, chat_note = chat_format_from_tokenizer(loaded.tokenizer)
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")

@@ -26,22 +26,29 @@ if TYPE_CHECKING:
 PREFILL_FILE = "prefill.onnx"
 
 
-def write_prefill_graph(folder: Path, native_decode: CacheSpec | None = None, context: int = 0) -> dict[str, Any]:
+def write_prefill_graph(
+    folder: Path, native_decode: CacheSpec | None = None, context: int = 0, cache: CacheSpec | None = None
+) -> dict[str, Any]:
     """Write ``prefill.onnx`` beside ``model.onnx`` (weights stay references into model.onnx.data, never copied)
-    when the graph has split-activation products, or when its one-token steps read the slots through
+    when the graph has split-activation products, when its one-token steps read the slots through
     GroupQueryAttention (``native_decode``: the cache spec of a bundle built with ``Compression.decode_kernel``
     gqa, whose presents the decode graph exposes, ``expose_decode_present``; ``context``: the bundle's longest
-    sequence, the positions its rotary tables cover); returns the manifest's model entries for it ({} if none)."""
+    sequence, the positions its rotary tables cover), or when its compressed layers' prompt chunks read fp32 slots
+    through the kernel over the state (``cache``: the bundle's cache spec; ``expose_chunk_present``); returns the
+    manifest's model entries for it ({} if none)."""
     import onnx_ir as ir
     import onnx_ir.passes.common
 
     model = ir.load(folder / "model.onnx")
     rewritten = sum(_unsplit(node) for node in list(model.graph) if node.op_type == "MatMulNBits")
-    if not rewritten and native_decode is None:
+    chunk_kernel = cache is not None and _has_state_kernel(model)
+    if not rewritten and native_decode is None and not chunk_kernel:
         return {}
     onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
     ir.save(model, folder / f"{PREFILL_FILE}.tmp")
     _one_branch(folder / f"{PREFILL_FILE}.tmp", "general")
+    if chunk_kernel:
+        expose_chunk_present(folder / f"{PREFILL_FILE}.tmp", cache)
     (folder / f"{PREFILL_FILE}.tmp").replace(folder / PREFILL_FILE)
     _one_branch(folder / "model.onnx", "decode")  # model.onnx: one-token steps only, from now on
     if native_decode is not None:
@@ -93,6 +100,65 @@ def expose_decode_present(path: Path, spec: CacheSpec, context: int = 0) -> int:
     ir.save(model, temporary)
     temporary.replace(path)
     return exposed
+
+
+def expose_chunk_present(path: Path, spec: CacheSpec) -> int:
+    """Make the presents of each compressed layer's kernel over the state (``compressed_function._state_kernel``:
+    GroupQueryAttention whose past is the k/v state input itself) outputs of a prompt-chunk graph, named
+    ``spec.present_name`` as in a decode graph. The runtime binds them to the state's own buffers where a call is
+    known to fit the buffer (``OrtCacheState``): the kernel then writes the chunk's rows in place instead of
+    copying every row of the buffer into a fresh present — for the temporary state of an `end` prompt, the whole
+    prompt's length per layer and chunk. The op's function is inlined first (an output inside a function cannot
+    be bound). Rewrites ``path`` (temp file + rename; weights stay references); returns how many it exposed."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common
+
+    from edgec.kvcache.compressed_function import STATE_KERNEL
+    from edgec.kvcache.spec import StateTensor, present_name
+
+    model = ir.load(path)
+    onnx_ir.passes.common.InlinePass()(model)
+    inputs = {value.name: value for value in model.graph.inputs}
+    pasts = {
+        StateTensor(layer.layer, name).input: (layer.layer, name)
+        for layer in spec.layers
+        if layer.compressed
+        for name in ("k", "v")
+    }
+    exposed = 0
+    for node in model.graph:
+        if node.op_type != "GroupQueryAttention" or STATE_KERNEL not in (node.name or ""):
+            continue
+        for index in (1, 2):  # present k, v ← past k, v (inputs 3, 4)
+            past = node.inputs[index + 2]
+            if past is None or past.name not in pasts or inputs.get(past.name) is not past:
+                continue
+            present = node.outputs[index]
+            present.name = present_name(*pasts[past.name])
+            present.type, present.shape = past.type, past.shape
+            model.graph.outputs.append(present)
+            exposed += 1
+    if exposed != len(pasts):  # a layer left copying its whole buffer per chunk would be slow, never wrong
+        raise RuntimeError(f"{path.name}: {exposed} of {len(pasts)} k/v slot buffers are read by the chunk kernel")
+    temporary = path.with_name(f"{path.name}.present")
+    ir.save(model, temporary)
+    temporary.replace(path)
+    return exposed
+
+
+def _has_state_kernel(model: Any) -> bool:
+    """Whether the compressed-cache op's body holds the kernel over the state (fp32 slots, ONNX Runtime)."""
+    from edgec.kvcache.compressed_function import DOMAIN, OP_TYPE, STATE_KERNEL
+
+    def named(graph: Any) -> bool:
+        for node in graph:
+            if node.op_type == "GroupQueryAttention" and STATE_KERNEL in (node.name or ""):
+                return True
+            if any(named(attribute.value) for attribute in node.attributes.values() if attribute.type == 5):
+                return True  # 5: AttributeType.GRAPH — an If's branch
+        return False
+
+    return any(named(function) for key, function in model.functions.items() if (key[0], key[1]) == (DOMAIN, OP_TYPE))
 
 
 def fold_decode_rotary(model: Any, context: int) -> int:

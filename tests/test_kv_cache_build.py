@@ -37,11 +37,14 @@ def _build(tmp_path_factory, tiny_llama, name, **kv):
 def test_full_capacity_fp32_equals_uncompressed(tmp_path_factory, tiny_llama, tiny_bundle, text_ids):
     bundle = _build(tmp_path_factory, tiny_llama, "full", kv_capacity=128, kv_dtype="fp32", kv_policy="h2o")
     layers = manifest(bundle)["model"]["num_layers"]
-    # fp32 slots on a CPU target: prompt chunks run the op (prefill.onnx), one-token steps GroupQueryAttention over
-    # the slots in place (model.onnx, the op inlined, each kernel's present a graph output: decode_kernel gqa)
+    # fp32 slots on a CPU target: prompt chunks run the op's general body (prefill.onnx, inlined: its kernel over
+    # the state has its presents as graph outputs), one-token steps GroupQueryAttention over the slots in place
+    # (model.onnx, the op inlined, each kernel's present a graph output: decode_kernel gqa)
     assert manifest(bundle)["cache"]["compression"]["decode_kernel"] == "gqa"
     chunks = onnx.load(bundle / "prefill.onnx", load_external_data=False).graph
-    assert [node.op_type for node in chunks.node].count("CompressedKVAttention") == layers
+    assert "CompressedKVAttention" not in {node.op_type for node in chunks.node}
+    chunk_presents = {output.name for output in chunks.output if output.name.startswith("present.")}
+    assert chunk_presents == {f"present.{layer}.{name}" for layer in range(layers) for name in ("k", "v")}
     decode = onnx.load(bundle / "model.onnx", load_external_data=False).graph
     kernels = [node for node in decode.node if node.op_type == "GroupQueryAttention"]
     assert len(kernels) == layers

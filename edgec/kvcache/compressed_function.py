@@ -381,16 +381,19 @@ def _function(
 
 
 def _output_type(compression: Compression, name: str) -> int:
-    if name in ("k_cache_out", "v_cache_out"):
+    if name in ("k_cache_out", "v_cache_out", "k_cache_rows", "v_cache_rows"):
         return STORAGE_TYPES[compression.dtype]
-    return TensorProto.INT64 if name == "pos_out" else TensorProto.FLOAT
+    return TensorProto.INT64 if name in ("pos_out", "written_slots") else TensorProto.FLOAT
 
 
-def _filled_slots(b: Body, filled: str, capacity: str, compression: Compression, every_slot: bool = False):
+def _filled_slots(
+    b: Body, filled: str, capacity: str, compression: Compression, every_slot: bool = False, sliced: bool = True
+):
     """Attention reads slots [0, active) only, active = the last filled slot + 1: empty slots fill lowest first,
     so while a cache (or the large temporary one of an `end` prompt) fills up, its empty tail costs nothing.
     ``every_slot``: active = the capacity, a number the shapes give (empty slots are masked all the same).
-    Returns active ([1]), a slicer for state tensors, and the dequantized old k and v of those slots."""
+    Returns active ([1]), a slicer for state tensors, and the dequantized old k and v of those slots (None with
+    ``sliced`` False: every reader slices them in its own If branch, and a slice here would copy the slots)."""
     if every_slot:
         active = capacity
 
@@ -403,6 +406,8 @@ def _filled_slots(b: Body, filled: str, capacity: str, compression: Compression,
         def active_slots(name: str | None) -> str | None:
             return None if name is None else b.op("Slice", name, b.i64([0]), active, b.i64([2]))
 
+    if not sliced:
+        return active, active_slots, None, None
     scales = ("k_scale", "v_scale") if compression.quantized else (None, None)
     old_k = _dequantize(b, active_slots("k_cache"), active_slots(scales[0]), compression)
     old_v = _dequantize(b, active_slots("v_cache"), active_slots(scales[1]), compression)
@@ -442,13 +447,16 @@ def _general(
     head_dim = b.shape("q", 3)
 
     filled = b.op("GreaterOrEqual", "pos", b.i64(0))
-    active, active_slots, old_k, old_v = _filled_slots(b, filled, capacity, compression, every_slot)
-
-    observing = _observing(b, new)
     # an unobserved chunk that only appends to the slots (every chunk of an `end` prompt but the last) needs none
     # of the judging below: an If gives it GroupQueryAttention and the direct write alone (_appending); what only
     # the judging reads is computed in its branch (j), so an appending chunk does not run it
     lean = fused is not None and not every_slot
+    # fp32 slots there: the kernel reads the k/v state where it lies (_state_kernel) and k/v are written by one
+    # ScatterElements each outside every If (_scatter_rows) — no copy of the slots per call
+    in_place = lean and compression.dtype == "fp32"
+    active, active_slots, old_k, old_v = _filled_slots(b, filled, capacity, compression, every_slot, not in_place)
+
+    observing = _observing(b, new)
     j = Body(prefix=f"{b.prefix}judged_") if lean else b
 
     # 1. attention over the slots and the new tokens; queries grouped per KV head: [B,Hkv,G·T,D]
@@ -464,6 +472,12 @@ def _general(
     attend = _Attend(old_k, old_v, attended_pos, rows_shape, group_size, scale_attr, window_attr, sliced)
     attend_j = attend.in_branch(j) if lean else attend
     needs = prompt_needs(policy) if fused is not None and not every_slot else policy.needs
+    kernel = None
+    if in_place:  # where its output is taken: the call extends the slots and fits after them
+        uses = b.op("And", _extends(b, filled, active, window_attr), _room(b, active, new, capacity))
+        if "total" in needs:  # an observed call computes every query's probabilities, and its output from them
+            uses = b.op("And", uses, b.op("Not", observing))
+        kernel = _Kernel(uses, _state_kernel(b, active, new, uses, fused))
 
     def updated_in(body: Body, judged: str | None, judged_rows: str) -> str:
         """2. what this call's attention says about each candidate, then the policy's scores."""
@@ -493,7 +507,7 @@ def _general(
         # the probabilities are computed for the output anyway: the unobserved case is a choice, not a saving
         updated = j.op("Where", observing, updated_in(j, probs, new), _unobserved(j, "score", new))
     else:
-        out = _fused_output(j, attend_j, filled, active, new, window_attr, fused)
+        out = _fused_output(j, attend_j, filled, active, new, window_attr, fused, kernel)
         # the policy reads the last `observe` queries only: their rows alone, and only when the call observes
         branches = {}
         for kind in ("observed", "unobserved"):
@@ -535,11 +549,93 @@ def _general(
     if every_slot:  # no If (compilers that must know every shape): the pairing always
         written = _paired_writes(j, compression, policy, keep, score_all, arriving, capacity, new, newest, out)
     else:
-        written = _writes(j, compression, policy, keep, score_all, arriving, filled, active, capacity, new, newest, out)
-    results = {"out": out} | {f"{name}_out": value for name, value in written.items()}
+        written = _writes(
+            j, compression, policy, keep, score_all, arriving, filled, active, capacity, new, newest, out, in_place
+        )
+    results = {"out": out} | {_written_output(compression, key): value for key, value in written.items()}
     if not lean:
         return results
-    return _appending(b, j, results, compression, attend, filled, active, new, new_pos, observing, window_attr, fused)
+    results = _appending(
+        b, j, results, compression, attend, filled, active, new, new_pos, observing, window_attr, fused, kernel
+    )
+    return _scatter_rows(b, results) if in_place else results
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """GroupQueryAttention over the k/v state itself (``_state_kernel``): its output, right where ``uses``."""
+
+    uses: str  # [] bool
+    out: str  # [B,T,H,D]
+
+
+# what the branches of a call on fp32 slots give for k and v (the rows and where they go), scattered after them
+DEFERRED = ("k_cache", "v_cache")
+STATE_KERNEL = "state_kernel"  # the kernel's node name (prefill_graph finds it by it)
+WRITTEN_SLOTS = "written_slots"  # [B,Hkv,T] int64: the slot each new row lands in
+
+
+def _written_keys(compression: Compression, deferred: bool) -> list[str]:
+    """What a write step returns: the state tensors it writes whole; with ``deferred`` k and v as rows."""
+    names = state_names(compression)
+    if not deferred:
+        return list(names)
+    return [name for name in names if name not in DEFERRED] + [WRITTEN_SLOTS, *(f"{name}_rows" for name in DEFERRED)]
+
+
+def _written_output(compression: Compression, key: str) -> str:
+    """The call's result name for a write step's key: ``{name}_out`` for a whole state tensor."""
+    return f"{key}_out" if key in state_names(compression) else key
+
+
+def _state_kernel(b: Body, active: str, new: str, uses: str, heads: Heads) -> str:
+    """``com.microsoft::GroupQueryAttention`` with the k/v state as its past (static-cache mode: it reads slots
+    [0, active) where they lie, and writes the new rows into slots [active, active + T) of its present). Nothing
+    reads its present in the body; ``prefill_graph`` makes it a graph output, which the runtime binds to the
+    state's own buffer where a call is known to append (``OrtCacheState``): then that write is the direct
+    write's, in place, and no slot is copied. The output [B,T,H,D] is right where ``uses`` (the call extends the
+    slots and fits after them); elsewhere the kernel runs on the last query alone — cheap, never out of the
+    buffer (total = active + 1: static, or exactly past + 1 where the slots are full), and its one write lands in
+    slot ``active``, an empty one — and its output is not taken."""
+    rows = b.op("Where", uses, new, b.i64([1]))  # [1]
+    first = b.op("Sub", new, rows)
+
+    def packed(name: str, width: int) -> str:  # [B,H,T,D] → the kernel's [B,rows,H·D]
+        whole = b.op("Reshape", b.op("Transpose", name, perm=[0, 2, 1, 3]), b.i64([0, 0, width]))
+        return b.op("Slice", whole, first, b.i64([HUGE]), b.i64([1]))
+
+    query = packed("q", heads.query * heads.dim)
+    key, value = packed("k", heads.kv * heads.dim), packed("v", heads.kv * heads.dim)
+    total = b.op("Add", active, rows)  # [1]
+    batch = b.op("Shape", "position_ids", end=1)
+    seqlens = b.op("Cast", b.op("Expand", b.op("Sub", total, b.i64([1])), batch), to=TensorProto.INT32)
+    total_length = b.op("Cast", b.op("Squeeze", total), to=TensorProto.INT32)
+    fused = [b.fresh("state_kernel_out"), b.fresh("state_kernel_present_k"), b.fresh("state_kernel_present_v")]
+    node = helper.make_node(
+        "GroupQueryAttention",
+        [query, key, value, "k_cache", "v_cache", seqlens, total_length],
+        fused,
+        name=b.fresh(STATE_KERNEL),
+        domain="com.microsoft",
+        num_heads=heads.query,
+        kv_num_heads=heads.kv,
+    )
+    scale = helper.make_attribute_ref("scale", AttributeProto.FLOAT)
+    scale.ref_attr_name = "scale"
+    node.attribute.append(scale)
+    b.nodes.append(node)
+    return b.op("Reshape", fused[0], b.i64([0, 0, heads.query, heads.dim]))
+
+
+def _scatter_rows(b: Body, results: dict[str, str]) -> dict[str, str]:
+    """k and v written: one ScatterND each of the branches' whole rows into their slots, on the state input
+    (bound in place by the runtime: only the T rows move — ScatterElements would move them element by element,
+    ~15x slower). It runs after the If that computed the rows, so after every reader of the slots: the kernel,
+    whose output the If takes, and everything inside the If."""
+    index = _row_index(b, results.pop(WRITTEN_SLOTS))
+    for name in DEFERRED:
+        results[f"{name}_out"] = b.op("ScatterND", name, index, results.pop(f"{name}_rows"))
+    return results
 
 
 def _appending(
@@ -555,31 +651,38 @@ def _appending(
     observing: str,
     window_attr: str,
     heads: Heads,
+    kernel: _Kernel | None = None,
 ) -> dict[str, str]:
     """The general call as an ``If``: where it does not observe and only appends to the slots (``_appends``), its
     meaning reduces to GroupQueryAttention over the active slots and new token i written into slot ``active + i``
     — the slots keep their scores, the new tokens score 0 (+inf where protected), nothing is evicted; else the
     whole call, as ``judged`` built it (``judged_results``). Per layer and chunk of an `end` prompt that is ~60
-    nodes instead of ~230."""
+    nodes instead of ~230. With ``kernel`` (fp32 slots) the attention is its output, and k/v come out as rows
+    (``_scatter_rows`` writes them)."""
     names = state_names(compression)
+    deferred = kernel is not None
     append = Body(prefix=f"{b.prefix}append_")
-    out = _gqa_output(append, attend.in_branch(append), active, new, heads)
+    if deferred:  # the If's condition implies the kernel's: its output is right here
+        out = append.op("Identity", kernel.out)
+    else:
+        out = _gqa_output(append, attend.in_branch(append), active, new, heads)
     k_stored, k_scale = _quantize(append, "k", compression)
     v_stored, v_scale = _quantize(append, "v", compression)
     protect = append.op("Expand", append.op("Unsqueeze", "protect", append.i64([1])), append.op("Shape", new_pos))
     score_new = append.op("Where", protect, append.f32(float("inf")), append.f32(0.0))
     incoming = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale, "v_scale": v_scale}
     incoming |= {"pos": new_pos, "score": score_new}
-    written = _direct_writes(append, compression, {name: name for name in names}, incoming, active, new, out)
-    appended = {"out": out} | {f"{name}_out": written[name] for name in names}
-    every = ("out", *(f"{name}_out" for name in names))
+    current = {name: name for name in names}
+    written = _direct_writes(append, compression, current, incoming, active, new, out, deferred)
+    appended = {"out": out} | {_written_output(compression, key): value for key, value in written.items()}
+    every = ("out", *(_written_output(compression, key) for key in _written_keys(compression, deferred)))
     typed = partial(_output_type, compression)
     graphs = {
         kind: _branch(body, results, every, f"{kind}_chunk", "_chunk", typed)
         for kind, body, results in (("append", append, appended), ("judged", judged, judged_results))
     }
     condition = _appends(b, filled, active, observing, new, window_attr)
-    results = {name: b.fresh(f"{name}_chunk") for name in ("out", *(f"{name}_out" for name in names))}
+    results = {name: b.fresh(f"{name}_chunk") for name in every}
     b.nodes.append(
         helper.make_node(
             "If", [condition], list(results.values()), then_branch=graphs["append"], else_branch=graphs["judged"]
@@ -611,13 +714,15 @@ def _writes(
     new: str,
     newest: str,
     out: str,
+    deferred: bool = False,
 ) -> dict[str, str]:
     """Step 4 of the general call as an ``If``: the direct write where the call fits the empty slots
     (``_fits_empty_slots``), else the pairing. Both give the reference's state; the direct one skips the pairing's
     TopKs, its gathers of the old and new rows and its element-wise scatters — most of an `end` prompt chunk's
-    bookkeeping."""
+    bookkeeping. ``deferred``: k and v come out as rows and their slots (``_written_keys``)."""
     condition = _fits_empty_slots(b, filled, active, keep, capacity, new)
     names = state_names(compression)
+    keys = _written_keys(compression, deferred)
     graphs = {}
     for kind in ("direct", "paired"):
         body = Body(prefix=f"{b.prefix}{kind}_")
@@ -625,24 +730,21 @@ def _writes(
             current = {name: name for name in names}
             current["score"] = body.op("Slice", score_all, body.i64([0]), capacity, body.i64([-1]))
             incoming = arriving | {"score": body.op("Slice", score_all, capacity, body.i64([HUGE]), body.i64([-1]))}
-            written = _direct_writes(body, compression, current, incoming, active, new, out)
+            written = _direct_writes(body, compression, current, incoming, active, new, out, deferred)
         else:
-            written = _paired_writes(body, compression, policy, keep, score_all, arriving, capacity, new, newest, out)
+            written = _paired_writes(
+                body, compression, policy, keep, score_all, arriving, capacity, new, newest, out, deferred
+            )
         typed = partial(_output_type, compression)
-        graphs[kind] = _branch(
-            body,
-            {f"{name}_out": value for name, value in written.items()},
-            [f"{n}_out" for n in names],
-            f"{kind}_writes",
-            "_written",
-            typed,
-        )
-    results = {name: b.fresh(f"{name}_out_written") for name in names}
+        named = {_written_output(compression, key): value for key, value in written.items()}
+        outputs = [_written_output(compression, key) for key in keys]
+        graphs[kind] = _branch(body, named, outputs, f"{kind}_writes", "_written", typed)
+    results = {key: b.fresh(f"{key}_written") for key in keys}
     b.nodes.append(
         helper.make_node(
             "If",
             [condition],
-            [results[name] for name in names],
+            [results[key] for key in keys],
             then_branch=graphs["direct"],
             else_branch=graphs["paired"],
         )
@@ -682,23 +784,36 @@ def _direct_writes(
     active: str,
     new: str,
     out: str,
+    deferred: bool = False,
 ) -> dict[str, str]:
     """New token i into slot ``active + i`` on every head: one ScatterND per state tensor (``current[name]``, the
     state input or a fresh tensor in its place), whole rows of ``incoming[name]``, indices [B,Hkv,T,3] (batch,
-    head, slot). The slot indices wait for the attention output, which reads the old state."""
+    head, slot). The slot indices wait for the attention output, which reads the old state. ``deferred``: k and
+    v as their rows and slots instead (``_written_keys``)."""
     first = b.op("Squeeze", active)
     slots = b.op("Range", first, b.op("Add", first, b.op("Squeeze", new)), b.i64(1))  # [T]
     slots = _after(b, slots, out)
-    grid = b.op("Concat", b.op("Shape", incoming["pos"]), b.i64([1]), axis=0)  # [B,Hkv,T,1]
-    batch = b.op(
-        "Reshape", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(incoming["pos"], 0)), b.i64(1)), b.i64([-1, 1, 1, 1])
-    )
-    heads = b.op(
-        "Reshape", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(incoming["pos"], 1)), b.i64(1)), b.i64([1, -1, 1, 1])
-    )
-    at_slot = b.op("Reshape", slots, b.i64([1, 1, -1, 1]))
-    index = b.op("Concat", *(b.op("Expand", axis, grid) for axis in (batch, heads, at_slot)), axis=-1)
-    return {name: b.op("ScatterND", current[name], index, incoming[name]) for name in state_names(compression)}
+    written = {}
+    names = state_names(compression)
+    if deferred:
+        names = tuple(name for name in names if name not in DEFERRED)
+        written[WRITTEN_SLOTS] = b.op(
+            "Expand", b.op("Reshape", slots, b.i64([1, 1, -1])), b.op("Shape", incoming["pos"])
+        )
+        written |= {f"{name}_rows": b.op("Identity", incoming[name]) for name in DEFERRED}
+    index = _row_index(b, b.op("Reshape", slots, b.i64([1, 1, -1])), incoming["pos"])
+    return written | {name: b.op("ScatterND", current[name], index, incoming[name]) for name in names}
+
+
+def _row_index(b: Body, slots: str, like: str | None = None) -> str:
+    """ScatterND's indices [B,Hkv,T,3] (batch, head, slot) for ``slots`` [B,Hkv,T] (or one row of them that
+    broadcasts to ``like``'s shape)."""
+    like = like or slots
+    grid = b.op("Concat", b.op("Shape", like), b.i64([1]), axis=0)  # [B,Hkv,T,1]
+    batch = b.op("Reshape", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(like, 0)), b.i64(1)), b.i64([-1, 1, 1, 1]))
+    heads = b.op("Reshape", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(like, 1)), b.i64(1)), b.i64([1, -1, 1, 1]))
+    at_slot = b.op("Unsqueeze", slots, b.i64([-1]))
+    return b.op("Concat", *(b.op("Expand", axis, grid) for axis in (batch, heads, at_slot)), axis=-1)
 
 
 def _paired_writes(
@@ -712,8 +827,10 @@ def _paired_writes(
     new: str,
     newest: str,
     out: str,
+    deferred: bool = False,
 ) -> dict[str, str]:
-    """Pair the T weakest slots with the T strongest new tokens and write each pair's winner into the slot; prune."""
+    """Pair the T weakest slots with the T strongest new tokens and write each pair's winner into the slot; prune.
+    ``deferred``: k and v as the rows for those slots and the slots (``_written_keys``), not written."""
     keep_old = b.op("Slice", keep, b.i64([0]), capacity, b.i64([-1]))
     keep_new = b.op("Slice", keep, capacity, b.i64([HUGE]), b.i64([-1]))
     weak_values, weakest = b.op("TopK", keep_old, new, axis=-1, largest=0, sorted=1, outputs=2)
@@ -737,7 +854,13 @@ def _paired_writes(
     written = {}
     for name in state_names(compression):
         trailing = name not in ("score", "pos")
-        written[name] = _write(b, current[name], arriving[name], slots, strongest, replace, trailing)
+        if deferred and name in DEFERRED:
+            written[f"{name}_rows"] = _write(
+                b, current[name], arriving[name], slots, strongest, replace, trailing, scatter=False
+            )
+            written[WRITTEN_SLOTS] = slots
+        else:
+            written[name] = _write(b, current[name], arriving[name], slots, strongest, replace, trailing)
     if policy.prunes:
         written["pos"] = _prune(b, policy, written, evicted, newest, compression)
     return written
@@ -828,9 +951,22 @@ def _extends(b: Body, filled: str, active: str, window_attr: str) -> str:
     return b.op("And", b.op("And", no_holes, after), b.op("And", increasing, no_window))
 
 
-def _fused_output(b: Body, attend: _Attend, filled: str, active: str, new: str, window_attr: str, heads: Heads) -> str:
+def _fused_output(
+    b: Body,
+    attend: _Attend,
+    filled: str,
+    active: str,
+    new: str,
+    window_attr: str,
+    heads: Heads,
+    kernel: _Kernel | None = None,
+) -> str:
     """The attention output [B,T,H,D]: GroupQueryAttention over a past of the active slots when the call extends
-    them (no score matrix is materialized; ONNX Runtime's kernel), else every query's probabilities."""
+    them (no score matrix is materialized; ONNX Runtime's kernel), else every query's probabilities. With
+    ``kernel`` (fp32 slots): its output where it is right, this otherwise (in an If's other branch)."""
+    outer = b
+    if kernel is not None:
+        b = Body(prefix=f"{outer.prefix}fallback_")
     fast, full = Body(prefix=f"{b.prefix}gqa_"), Body(prefix=f"{b.prefix}full_")
     attend_full = attend.in_branch(full)
     fast_out = _gqa_output(fast, attend.in_branch(fast), active, new, heads)
@@ -844,7 +980,19 @@ def _fused_output(b: Body, attend: _Attend, filled: str, active: str, new: str, 
     condition = _extends(b, filled, active, window_attr)
     fast_branch, full_branch = branches["fast"], branches["full"]
     b.nodes.append(helper.make_node("If", [condition], [out], then_branch=fast_branch, else_branch=full_branch))
-    return out
+    if kernel is None:
+        return out
+    taken = Body(prefix=f"{outer.prefix}state_kernel_")
+    results = {"kernel": taken.op("Identity", kernel.out, name="out_result"), "fallback": b.op("Identity", out)}
+    graphs = {}
+    for kind, body in (("kernel", taken), ("fallback", b)):
+        output = helper.make_tensor_value_info(results[kind], TensorProto.FLOAT, None)
+        graphs[kind] = helper.make_graph(body.nodes, f"{kind}_attention", [], [output])
+    chosen = outer.fresh("attention_out")
+    outer.nodes.append(
+        helper.make_node("If", [kernel.uses], [chosen], then_branch=graphs["kernel"], else_branch=graphs["fallback"])
+    )
+    return chosen
 
 
 def _gqa_output(b: Body, attend: _Attend, active: str, new: str, heads: Heads) -> str:
@@ -1122,8 +1270,11 @@ def _forced(b: Body, key_pos: str, newest: str, protected: str, compression: Com
     return b.op("Or", protected, b.op("And", filled, b.op("Or", sink, recent)))
 
 
-def _write(b: Body, old: str, arriving: str, weakest: str, strongest: str, replace: str, trailing: bool) -> str:
-    """Scatter, into the T weakest slots, either the paired new token or the slot's own value."""
+def _write(
+    b: Body, old: str, arriving: str, weakest: str, strongest: str, replace: str, trailing: bool, scatter: bool = True
+) -> str:
+    """Scatter, into the T weakest slots, either the paired new token or the slot's own value (``scatter`` False:
+    those values, [B,Hkv,T(,D)], for a scatter after the If)."""
     if trailing:  # k/v/scales carry a channel axis: broadcast the slot indices over it
         axis = b.i64([-1])
         width = b.shape(old, 3)
@@ -1137,7 +1288,7 @@ def _write(b: Body, old: str, arriving: str, weakest: str, strongest: str, repla
     chosen = b.op("GatherElements", arriving, picks, axis=2)
     kept = b.op("GatherElements", old, slots, axis=2)
     updates = b.op("Where", choose, chosen, kept)
-    return b.op("ScatterElements", old, slots, updates, axis=2)
+    return b.op("ScatterElements", old, slots, updates, axis=2) if scatter else updates
 
 
 def _evicted(b: Body, weakest: str, replace: str) -> str:

@@ -155,8 +155,9 @@ def _allocate(spec: CacheSpec, device: StateDevice, compressed_slots: int | None
 
 def _kernel_presents(outputs: set[str], spec: CacheSpec) -> dict[str, str]:
     """State input → the graph output bound to its buffer beside ``new_…``: GroupQueryAttention's present of a
-    compressed layer's k/v in a decode graph built with ``decode_kernel`` gqa (none for other graphs)."""
-    if spec.compression is None or spec.compression.decode_kernel != "gqa":
+    compressed layer's k/v — in a decode graph built with ``decode_kernel`` gqa (``expose_decode_present``), or
+    in a prompt-chunk graph over fp32 slots (``expose_chunk_present``); none for other graphs."""
+    if spec.compression is None:
         return {}
     presents = {}
     for layer in spec.layers:
@@ -237,14 +238,21 @@ class OrtCacheState:
         self._logits_dtype = graph.logits_dtype
         self._logits = np.zeros((1, 1, vocab_size), self._logits_dtype)
         self._presents = {one.session: one.presents for one in (prefill or graph, graph)}  # per graph, found once
+        # tokens written into the state multi-token steps run on since it was last empty (None: not known). The
+        # filled slots never reach past it (each call fills at most its T tokens' slots, lowest empty first), so
+        # while it plus a call's T fits the k/v buffer, the chunk kernel's write lands in empty rows and its present
+        # may be bound to the buffer (_binding); else it is left to a fresh tensor
+        self._fed: int | None = 0
         self._decode = self._binding(
             self._state, self._token, self._position, self._last, self._protect_one, self._logits, self._observe_one
         )
 
-    def _binding(self, state, ids, positions, index, protect, logits, observe, session=None) -> ort.IOBinding:
+    def _binding(
+        self, state, ids, positions, index, protect, logits, observe, session=None, presents_in_place: bool = True
+    ) -> ort.IOBinding:
         session = session or self.session
         binding = session.io_binding()
-        presents = self._presents.get(session, {})
+        presents = self._presents.get(session, {}) if presents_in_place else {}
         for tensor, value in state:
             binding.bind_ortvalue_input(tensor.input, value)
             binding.bind_ortvalue_output(tensor.output, value)
@@ -272,6 +280,7 @@ class OrtCacheState:
         """Empty every slot. Only positions need clearing: an empty slot (pos -1) is masked, never scored or
         kept, and whatever finite values it holds are overwritten when it is filled."""
         self._active = self._state
+        self._fed = 0
         self._observation.end()
         for tensor, value in self._state:
             if tensor.name in POSITIONS:  # a mixed cache's wide pool has its own
@@ -280,6 +289,7 @@ class OrtCacheState:
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
         """Set every state tensor to a saved value (``arrays()``'s names and shapes)."""
         self._active = self._state
+        self._fed = None  # whatever the saved state holds
         for tensor, value in self._state:
             value.update_inplace(np.ascontiguousarray(arrays[tensor.input]))
 
@@ -294,6 +304,7 @@ class OrtCacheState:
             larger = {entry[0]: entry for entry in _allocate(self.spec, self.graph.device, length)}
             compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
             self._active = [larger[entry[0]] if entry[0].layer in compressed else entry for entry in self._state]
+            self._fed = 0
 
     def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
         """After the prompt: keep the best ``capacity`` slots of the temporary state in the real one
@@ -315,6 +326,7 @@ class OrtCacheState:
             if tensor.layer in kept:
                 value.update_inplace(_rows_of(kept[tensor.layer][tensor.name], value.shape()))
         self._active = self._state
+        self._fed = None  # the kept slots, up to the capacity
 
     def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:
         count = len(ids)
@@ -323,6 +335,7 @@ class OrtCacheState:
             self._position[0, 0] = start
             self._protect_one[0, 0] = bool(protect[0]) if protect is not None else False
             self.session.run_with_iobinding(self._decode)
+            self._fed = None if self._fed is None else self._fed + 1
             return self._logits[0]
         index = np.array([count - 1], np.int64) if last_only else np.arange(count, dtype=np.int64)
         positions = np.arange(start, start + count, dtype=np.int64)
@@ -340,9 +353,19 @@ class OrtCacheState:
         index = np.ascontiguousarray(index, np.int64)
         observe = np.array([self._observation.observes(int(positions.max()))])
         session = self._chunk_session if count > 1 else self.session
-        binding = self._binding(self._active, ids, positions, index, flags, logits, observe, session)
+        in_place = True  # a decode graph's presents are always the state's (its kernel writes the spare row)
+        if session is self._chunk_session and session is not self.session:
+            in_place = self._fed is not None and self._fed + count <= self._chunk_rows()
+        binding = self._binding(self._active, ids, positions, index, flags, logits, observe, session, in_place)
         session.run_with_iobinding(binding)
+        self._fed = None if self._fed is None else self._fed + count
         return logits[0]
+
+    def _chunk_rows(self) -> int:
+        """The fewest rows of the k/v buffers whose chunk-kernel presents the prompt-chunk graph exposes, in the
+        state multi-token steps run on (0 when it exposes none)."""
+        presents = self._presents.get(self._chunk_session, {})
+        return min((value.shape()[2] for tensor, value in self._active if tensor.input in presents), default=0)
 
 
 class StaticOrtBackend:

@@ -239,6 +239,26 @@ def _ran(sess: ort.InferenceSession) -> dict[str, int]:
     return Counter(op for _, op in runs)
 
 
+def _deferred(compression: Compression, fused: bool) -> int:
+    """How many state tensors every multi-token call writes with a ScatterND of its own after the branches
+    (``_scatter_rows``): k and v for fp32 slots on the fused path; a direct write scatters the others inside."""
+    return len(cf.DEFERRED) if fused and compression.dtype == "fp32" else 0
+
+
+def _kernel_runs(sess: ort.InferenceSession) -> tuple[int, int]:
+    """(runs of the state kernel, runs of every other GroupQueryAttention) of a profiled session (ends it)."""
+    import json
+    from pathlib import Path
+
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    runs = {
+        (e["ts"], cf.STATE_KERNEL in e["name"])
+        for e in events
+        if e.get("cat") == "Node" and e["args"].get("op_name") == "GroupQueryAttention"
+    }
+    return sum(1 for _, kernel in runs if kernel), sum(1 for _, kernel in runs if not kernel)
+
+
 def _runs(sess: ort.InferenceSession, op_type: str = "GroupQueryAttention") -> int:
     """How many times a profiled session ran ``op_type`` (ends its profile)."""
     return _ran(sess)[op_type]
@@ -255,7 +275,9 @@ def _profiled(model: onnx.ModelProto, tmp_path) -> ort.InferenceSession:
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_fused_prompt_attention_matches_reference(dtype, policy, tmp_path):
     """Every dtype and policy, in place: the same slots, bytes, scores and outputs as the reference; the fused
-    kernel runs for every chunk that extends the slots (all multi-token steps of STEPS) where the policy allows."""
+    kernel runs for every chunk that extends the slots (all multi-token steps of STEPS) where the policy allows.
+    fp32 slots: the kernel over the state runs for every chunk (on one query where its output is not taken), and
+    the branch's own kernel only for chunks that extend the slots but do not fit after them."""
     heads, kv_heads, head_dim, capacity = SHAPES[(len(dtype) + len(policy) + 1) % len(SHAPES)]
     compression = Compression(capacity=capacity, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
     model = compressed_model(heads, kv_heads, head_dim, capacity, compression, scale=0.3, fused=True)
@@ -263,13 +285,19 @@ def test_fused_prompt_attention_matches_reference(dtype, policy, tmp_path):
     sess = _profiled(model, tmp_path)
     seed = hash((dtype, policy, "fused")) % 1000
     _run(sess, compression, heads, kv_heads, head_dim, capacity, STEPS, seed=seed, in_place=True, scale=0.3)
-    chunks = sum(1 for _, count in STEPS if count > 1)
-    assert _runs(sess) == (chunks if policy in FUSED_POLICIES else 0)
+    chunks = [(start, count) for start, count in STEPS if count > 1]
+    if dtype != "fp32":
+        assert _runs(sess) == (len(chunks) if policy in FUSED_POLICIES else 0)
+        return
+    no_room = sum(1 for start, count in chunks if min(start, capacity) + count > capacity)
+    assert no_room and _kernel_runs(sess) == (len(chunks), no_room if policy in FUSED_POLICIES else 0)
 
 
-def test_fused_prompt_attention_falls_back_where_slots_do_not_extend():
-    """A sliding window, or new positions not after every cached one: every query's probabilities, as before."""
-    compression = Compression(capacity=12, sink=1, window=2, policy="snapkv", dtype="int8", group=16, observe=3)
+@pytest.mark.parametrize("dtype", ["int8", "fp32"])
+def test_fused_prompt_attention_falls_back_where_slots_do_not_extend(dtype):
+    """A sliding window, or new positions not after every cached one: every query's probabilities, as before
+    (fp32: the kernel over the state runs on one query there, its output not taken)."""
+    compression = Compression(capacity=12, sink=1, window=2, policy="snapkv", dtype=dtype, group=16, observe=3)
     model = compressed_model(4, 2, 16, 12, compression, scale=0.25, window=6, fused=True)
     sess = _session(model)
     _run(sess, compression, 4, 2, 16, 12, STEPS, seed=11, window=6, protect_at=[3, 9])
@@ -283,7 +311,8 @@ def test_fused_prompt_attention_falls_back_where_slots_do_not_extend():
 @pytest.mark.parametrize("dtype,policy", [("int8", "snapkv"), ("int4", "h2o"), ("fp32", "adaptive"), ("fp8", "tova")])
 def test_chunks_that_fit_the_empty_slots_are_written_directly(dtype, policy, fused, tmp_path):
     """In place, against the reference: a chunk into an empty cache, one that fills it exactly, and one that must
-    evict (the pairing). The direct write (one ScatterND per state tensor) runs for the first two only."""
+    evict (the pairing). The direct write (one ScatterND per state tensor) runs for the first two only — but for
+    fp32 slots on the fused path, whose k and v every chunk writes with a ScatterND after the branches."""
     heads, kv_heads, head_dim, capacity = 4, 2, 16, 16
     compression = Compression(capacity=capacity, sink=2, window=3, policy=policy, dtype=dtype, group=8, observe=4)
     sess = _profiled(
@@ -291,7 +320,8 @@ def test_chunks_that_fit_the_empty_slots_are_written_directly(dtype, policy, fus
     )
     steps = [(0, 7), (7, 1), (8, 8), (16, 1), (17, 4)]
     _run(sess, compression, heads, kv_heads, head_dim, capacity, steps, seed=21, in_place=True, scale=0.3)
-    assert _runs(sess, "ScatterND") == 2 * len(cf.state_names(compression))
+    deferred = _deferred(compression, fused)
+    assert _runs(sess, "ScatterND") == 2 * (len(cf.state_names(compression)) - deferred) + 3 * deferred
 
 
 @pytest.mark.parametrize(
@@ -394,9 +424,10 @@ def test_one_branch_graphs_match_reference_in_place(dtype, policy, fused):
     fused_branches = {"fast_attention", "full_attention", "observed_scores", "unobserved_scores"}
     writes = {"direct_writes", "paired_writes"}
     appending = {"append_chunk", "judged_chunk"}  # fused: an unobserved chunk that only appends
+    state_kernel = {"kernel_attention", "fallback_attention"}  # fused, fp32: the kernel over the state or not
     assert branches == (fused_branches if fused and policy != "h2o" else set()) | writes | (
         appending if fused else set()
-    )
+    ) | (state_kernel if fused and dtype == "fp32" and policy != "h2o" else set())
     assert not any(node.op_type == "If" for node in decode.functions[0].node)
     assert "TopK" in op_types(general.functions[0].node)
     assert "TopK" not in op_types(decode.functions[0].node)
