@@ -95,14 +95,19 @@ class RecallCacheState(OrtCacheState):
                 views.setdefault(tensor.layer, {})[tensor.name] = array
         return views
 
-    def _binding(self, state, ids, positions, index, protect, logits, observe, session=None):
+    def _binding(self, state, ids, positions, index, protect, logits, observe, session=None, presents_in_place=True):
         import onnxruntime as ort
 
-        binding = super()._binding(state, ids, positions, index, protect, logits, observe, session)
+        binding = super()._binding(state, ids, positions, index, protect, logits, observe, session, presents_in_place)
         for layer, query in self._queries.items():
             binding.bind_ortvalue_output(recall_query_name(layer), ort.OrtValue.ortvalue_from_numpy(query))
         binding.keep_alive += list(self._queries.values())
         return binding
+
+    def _chunk_rows(self) -> int:
+        """0: recall writes tokens into slots between steps, which the count of tokens fed does not see, so the
+        chunk kernel's presents are never bound here (a fresh present each chunk: correct, a copy)."""
+        return 0
 
     # --- the protocol ------------------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -54,8 +54,8 @@ def fed(monkeypatch) -> list[bool]:
     calls: list[bool] = []
     original = OrtCacheState._binding
 
-    def spy(self, state, ids, positions, index, protect, logits, observe, session=None):
-        binding = original(self, state, ids, positions, index, protect, logits, observe, session)
+    def spy(self, state, ids, positions, index, protect, logits, observe, *rest):
+        binding = original(self, state, ids, positions, index, protect, logits, observe, *rest)
         if ids.shape[-1] > 1:
             calls.append(bool(observe[0]))
         return binding
