@@ -7,7 +7,9 @@ into the body; ``scale`` and ``window`` (sliding attention) stay node attributes
 Running the state in place (one buffer bound as input and output, ORT IO binding) is correct because every
 node that reads a state input is an ancestor of the single ScatterElements that writes its output: the old
 values are read (attention, gathers of the slots written back) before the scatter overwrites them, and the
-scatter writes distinct slots. tests/kvcache/test_compressed.py runs every dtype and policy both ways.
+scatter writes distinct slots. tests/kvcache/test_compressed.py runs every dtype and policy both ways. (fp32
+slots on the fused path: k/v are written by a ScatterND after the branches, and the prompt-chunk kernel over the
+state may itself write the chunk's rows into empty slots first — ``_state_kernel``.)
 """
 
 from __future__ import annotations
