@@ -145,22 +145,12 @@ class OrtGraph:
         self.logits_dtype = np.float16 if logits_type == "tensor(float16)" else np.float32
 
 
-def _allocate(
-    spec: CacheSpec,
-    device: StateDevice,
-    compressed_slots: int | None = None,
-    views: dict[StateTensor, np.ndarray] | None = None,
-) -> list[StateEntry]:
-    """Fresh state on ``device`` (a GPU copy is made once here; steps then update it in place there). ``views``
-    receives, per tensor, the numpy array an OrtValue shares its memory with (host buffers: ONNX Runtime wraps
-    them without a copy), through which the state can be read as it stands without copying it."""
-    entries = []
-    for tensor, array in spec.empty_state(compressed_slots):
-        value = ort.OrtValue.ortvalue_from_numpy(array, device.kind, device.index)
-        if views is not None and value.data_ptr() == array.ctypes.data:
-            views[tensor] = array
-        entries.append((tensor, value))
-    return entries
+def _allocate(spec: CacheSpec, device: StateDevice, compressed_slots: int | None = None) -> list[StateEntry]:
+    """Fresh state on ``device`` (a GPU copy is made once here; steps then update it in place there)."""
+    return [
+        (tensor, ort.OrtValue.ortvalue_from_numpy(array, device.kind, device.index))
+        for tensor, array in spec.empty_state(compressed_slots)
+    ]
 
 
 def _kernel_presents(outputs: set[str], spec: CacheSpec) -> dict[str, str]:
@@ -253,7 +243,6 @@ class OrtCacheState:
         # while it plus a call's T fits the k/v buffer, the chunk kernel's write lands in empty rows and its present
         # may be bound to the buffer (_binding); else it is left to a fresh tensor
         self._fed: int | None = 0
-        self._views: dict[StateTensor, np.ndarray] = {}  # the temporary state's host arrays (begin_prompt)
         self._decode = self._binding(
             self._state, self._token, self._position, self._last, self._protect_one, self._logits, self._observe_one
         )
@@ -290,7 +279,7 @@ class OrtCacheState:
     def reset(self) -> None:
         """Empty every slot. Only positions need clearing: an empty slot (pos -1) is masked, never scored or
         kept, and whatever finite values it holds are overwritten when it is filled."""
-        self._active, self._views = self._state, {}
+        self._active = self._state
         self._fed = 0
         self._observation.end()
         for tensor, value in self._state:
@@ -299,7 +288,7 @@ class OrtCacheState:
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
         """Set every state tensor to a saved value (``arrays()``'s names and shapes)."""
-        self._active, self._views = self._state, {}
+        self._active = self._state
         self._fed = None  # whatever the saved state holds
         for tensor, value in self._state:
             value.update_inplace(np.ascontiguousarray(arrays[tensor.input]))
@@ -312,8 +301,7 @@ class OrtCacheState:
         self._observation.begin(compression, length)
         if compression and compression.prefill_compress == "end" and length > compression.capacity:
             # only the compressed layers get larger buffers; the others (sliding-window rings) keep their own
-            self._views = {}
-            larger = {entry[0]: entry for entry in _allocate(self.spec, self.graph.device, length, self._views)}
+            larger = {entry[0]: entry for entry in _allocate(self.spec, self.graph.device, length)}
             compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
             self._active = [larger[entry[0]] if entry[0].layer in compressed else entry for entry in self._state]
             self._fed = 0
@@ -327,9 +315,8 @@ class OrtCacheState:
         compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
         by_layer: dict[int, dict[str, np.ndarray]] = {}
         for tensor, value in self._active:
-            if tensor.layer in compressed:  # read where it lies (host memory), else copied out
-                view = self._views.get(tensor)
-                by_layer.setdefault(tensor.layer, {})[tensor.name] = view if view is not None else value.numpy()
+            if tensor.layer in compressed:
+                by_layer.setdefault(tensor.layer, {})[tensor.name] = value.numpy()
         capacity = self.compression.capacity
         kept = {
             layer: select_slots(state, self.compression, newest, capacity, last_chunk_start)
@@ -338,7 +325,7 @@ class OrtCacheState:
         for tensor, value in self._state:
             if tensor.layer in kept:
                 value.update_inplace(_rows_of(kept[tensor.layer][tensor.name], value.shape()))
-        self._active, self._views = self._state, {}
+        self._active = self._state
         self._fed = None  # the kept slots, up to the capacity
 
     def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:

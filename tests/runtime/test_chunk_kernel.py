@@ -128,22 +128,3 @@ def test_the_rule_matters_where_the_buffers_have_no_spare_row(tiny_rotated_bundl
     assert proved[3] == [True] * 3 + [False] * 5 + [False] + [True] * 2 + [False]
     with pytest.raises(Exception, match="GroupQueryAttention"):
         _session(tiny_rotated_bundle, ids, monkeypatch, "always")
-
-
-def test_the_end_selection_reads_the_temporary_state_where_it_lies(fp32_slots, ids):
-    """The temporary state of an `end` prompt lives in host arrays ONNX Runtime wraps without a copy: the
-    selection reads them (no copy of a whole prompt's k/v per layer), and they are the buffers the steps wrote."""
-    model = Model.load(fp32_slots)
-    state = model._backend.open_state()
-    state.reset()
-    state.begin_prompt(len(ids))
-    for start in range(0, len(ids), 16):
-        state.run(ids[start : start + 16], start, last_only=True)
-    values = dict(state._active)
-    assert state._views and set(state._views) <= set(values)
-    for tensor, view in state._views.items():
-        assert values[tensor].data_ptr() == view.ctypes.data
-        np.testing.assert_array_equal(view, values[tensor].numpy())
-    assert {tensor.name for tensor in state._views} >= {"k", "v", "pos", "score"}
-    state.end_prompt(len(ids) - 1, last_chunk_start=len(ids) - 16)
-    assert state._views == {} and state._active is state._state
