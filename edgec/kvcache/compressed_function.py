@@ -454,7 +454,7 @@ def _general(
     # the judging reads is computed in its branch (j), so an appending chunk does not run it
     lean = fused is not None and not every_slot
     # fp32 slots there: the kernel reads the k/v state where it lies (_state_kernel) and k/v are written by one
-    # ScatterElements each outside every If (_scatter_rows) — no copy of the slots per call
+    # ScatterND each outside every If (_scatter_rows) — no copy of the slots per call
     in_place = lean and compression.dtype == "fp32"
     active, active_slots, old_k, old_v = _filled_slots(b, filled, capacity, compression, every_slot, not in_place)
 
@@ -802,7 +802,7 @@ def _direct_writes(
         written[WRITTEN_SLOTS] = b.op(
             "Expand", b.op("Reshape", slots, b.i64([1, 1, -1])), b.op("Shape", incoming["pos"])
         )
-        written |= {f"{name}_rows": b.op("Identity", incoming[name]) for name in DEFERRED}
+        written |= {f"{name}_rows": incoming[name] for name in DEFERRED}  # the branch's Identity passes them on
     index = _row_index(b, b.op("Reshape", slots, b.i64([1, 1, -1])), incoming["pos"])
     return written | {name: b.op("ScatterND", current[name], index, incoming[name]) for name in names}
 
