@@ -66,40 +66,12 @@ def expose_decode_present(path: Path, spec: CacheSpec, context: int = 0) -> int:
     import onnx_ir as ir
     import onnx_ir.passes.common
 
-    from edgec.kvcache.spec import StateTensor, present_name
-
     model = ir.load(path)
     onnx_ir.passes.common.InlinePass()(model)
     if context:
         fold_decode_rotary(model, context)
     share_decode_bias(model, spec)
-    inputs = {value.name: value for value in model.graph.inputs}
-    # the compressed layers' k/v state inputs → (layer, name): the pasts the kernel reads
-    pasts = {
-        StateTensor(layer.layer, name).input: (layer.layer, name)
-        for layer in spec.layers
-        if layer.compressed
-        for name in ("k", "v")
-    }
-    exposed = 0
-    for node in model.graph:
-        if not _is_decode_kernel(node):
-            continue
-        for index in (1, 2):  # present k, v ← past k, v (inputs 3, 4)
-            past = node.inputs[index + 2]
-            if past is None or past.name not in pasts or inputs.get(past.name) is not past:
-                continue
-            present = node.outputs[index]
-            present.name = present_name(*pasts[past.name])
-            present.type, present.shape = past.type, past.shape
-            model.graph.outputs.append(present)
-            exposed += 1
-    if exposed != len(pasts):  # a layer left copying its slots each step would be slow, never wrong: say so now
-        raise RuntimeError(f"{path.name}: {exposed} of {len(pasts)} k/v slot buffers are read by the decode kernel")
-    temporary = path.with_name(f"{path.name}.present")
-    ir.save(model, temporary)
-    temporary.replace(path)
-    return exposed
+    return _expose_presents(model, path, spec, _is_decode_kernel, "decode kernel")
 
 
 def expose_chunk_present(path: Path, spec: CacheSpec) -> int:
@@ -115,13 +87,22 @@ def expose_chunk_present(path: Path, spec: CacheSpec) -> int:
     import onnx.inliner
     import onnx_ir as ir
 
-    from edgec.kvcache.compressed_function import STATE_KERNEL
-    from edgec.kvcache.spec import StateTensor, present_name
-
     inlined = onnx.inliner.inline_local_functions(onnx.load(str(path), load_external_data=False))
     onnx.save(inlined, str(path))
-    model = ir.load(path)
+    return _expose_presents(ir.load(path), path, spec, _is_chunk_kernel, "chunk kernel")
+
+
+def _expose_presents(model: Any, path: Path, spec: CacheSpec, is_kernel: Any, kind: str) -> int:
+    """In an inlined graph, make the presents of each ``is_kernel`` node that reads a compressed layer's k/v
+    state input as its past graph outputs (``spec.present_name``); save ``model`` over ``path`` (temp file +
+    rename); returns how many. Every compressed k/v must be found: a layer left copying its slots would be slow,
+    never wrong, so it is said at build time."""
+    import onnx_ir as ir
+
+    from edgec.kvcache.spec import StateTensor, present_name
+
     inputs = {value.name: value for value in model.graph.inputs}
+    # the compressed layers' k/v state inputs → (layer, name): the pasts the kernel reads
     pasts = {
         StateTensor(layer.layer, name).input: (layer.layer, name)
         for layer in spec.layers
@@ -130,7 +111,7 @@ def expose_chunk_present(path: Path, spec: CacheSpec) -> int:
     }
     exposed = 0
     for node in model.graph:
-        if node.op_type != "GroupQueryAttention" or STATE_KERNEL not in (node.name or ""):
+        if not is_kernel(node):
             continue
         for index in (1, 2):  # present k, v ← past k, v (inputs 3, 4)
             past = node.inputs[index + 2]
@@ -141,8 +122,8 @@ def expose_chunk_present(path: Path, spec: CacheSpec) -> int:
             present.type, present.shape = past.type, past.shape
             model.graph.outputs.append(present)
             exposed += 1
-    if exposed != len(pasts):  # a layer left copying its whole buffer per chunk would be slow, never wrong
-        raise RuntimeError(f"{path.name}: {exposed} of {len(pasts)} k/v slot buffers are read by the chunk kernel")
+    if exposed != len(pasts):
+        raise RuntimeError(f"{path.name}: {exposed} of {len(pasts)} k/v slot buffers are read by the {kind}")
     temporary = path.with_name(f"{path.name}.present")
     ir.save(model, temporary)
     temporary.replace(path)
@@ -151,11 +132,11 @@ def expose_chunk_present(path: Path, spec: CacheSpec) -> int:
 
 def _has_state_kernel(model: Any) -> bool:
     """Whether the compressed-cache op's body holds the kernel over the state (fp32 slots, ONNX Runtime)."""
-    from edgec.kvcache.compressed_function import DOMAIN, OP_TYPE, STATE_KERNEL
+    from edgec.kvcache.compressed_function import DOMAIN, OP_TYPE
 
     def named(graph: Any) -> bool:
         for node in graph:
-            if node.op_type == "GroupQueryAttention" and STATE_KERNEL in (node.name or ""):
+            if _is_chunk_kernel(node):
                 return True
             if any(named(attribute.value) for attribute in node.attributes.values() if attribute.type == 5):
                 return True  # 5: AttributeType.GRAPH — an If's branch
@@ -284,6 +265,13 @@ def _is_decode_kernel(node: Any) -> bool:
     """A compressed layer's one-token kernel (``_decode_gqa``): GroupQueryAttention returning its probabilities,
     which the plain layers' kernels (``passes/kv_attention_gqa``) never do."""
     return node.op_type == "GroupQueryAttention" and "qk_output" in node.attributes
+
+
+def _is_chunk_kernel(node: Any) -> bool:
+    """A compressed layer's prompt-chunk kernel over the state (``compressed_function._state_kernel``), by name."""
+    from edgec.kvcache.compressed_function import STATE_KERNEL
+
+    return node.op_type == "GroupQueryAttention" and STATE_KERNEL in (node.name or "")
 
 
 def _reshaped_from(value: Any) -> Any:

@@ -600,33 +600,7 @@ def _state_kernel(b: Body, active: str, new: str, uses: str, heads: Heads) -> st
     buffer (total = active + 1: static, or exactly past + 1 where the slots are full), and its one write lands in
     slot ``active``, an empty one — and its output is not taken."""
     rows = b.op("Where", uses, new, b.i64([1]))  # [1]
-    first = b.op("Sub", new, rows)
-
-    def packed(name: str, width: int) -> str:  # [B,H,T,D] → the kernel's [B,rows,H·D]
-        whole = b.op("Reshape", b.op("Transpose", name, perm=[0, 2, 1, 3]), b.i64([0, 0, width]))
-        return b.op("Slice", whole, first, b.i64([HUGE]), b.i64([1]))
-
-    query = packed("q", heads.query * heads.dim)
-    key, value = packed("k", heads.kv * heads.dim), packed("v", heads.kv * heads.dim)
-    total = b.op("Add", active, rows)  # [1]
-    batch = b.op("Shape", "position_ids", end=1)
-    seqlens = b.op("Cast", b.op("Expand", b.op("Sub", total, b.i64([1])), batch), to=TensorProto.INT32)
-    total_length = b.op("Cast", b.op("Squeeze", total), to=TensorProto.INT32)
-    fused = [b.fresh("state_kernel_out"), b.fresh("state_kernel_present_k"), b.fresh("state_kernel_present_v")]
-    node = helper.make_node(
-        "GroupQueryAttention",
-        [query, key, value, "k_cache", "v_cache", seqlens, total_length],
-        fused,
-        name=b.fresh(STATE_KERNEL),
-        domain="com.microsoft",
-        num_heads=heads.query,
-        kv_num_heads=heads.kv,
-    )
-    scale = helper.make_attribute_ref("scale", AttributeProto.FLOAT)
-    scale.ref_attr_name = "scale"
-    node.attribute.append(scale)
-    b.nodes.append(node)
-    return b.op("Reshape", fused[0], b.i64([0, 0, heads.query, heads.dim]))
+    return _kernel(b, "k_cache", "v_cache", active, rows, heads, first=b.op("Sub", new, rows), name=STATE_KERNEL)
 
 
 def _scatter_rows(b: Body, results: dict[str, str]) -> dict[str, str]:
@@ -683,7 +657,7 @@ def _appending(
         kind: _branch(body, results, every, f"{kind}_chunk", "_chunk", typed)
         for kind, body, results in (("append", append, appended), ("judged", judged, judged_results))
     }
-    condition = _appends(b, filled, active, observing, new, window_attr)
+    condition = _appends(b, filled, active, observing, new, window_attr, kernel.uses if kernel else None)
     results = {name: b.fresh(f"{name}_chunk") for name in every}
     b.nodes.append(
         helper.make_node(
@@ -693,14 +667,17 @@ def _appending(
     return results
 
 
-def _appends(b: Body, filled: str, active: str, observing: str, new: str, window_attr: str) -> str:
+def _appends(
+    b: Body, filled: str, active: str, observing: str, new: str, window_attr: str, fits: str | None = None
+) -> str:
     """True when the call does not observe, extends the slots (``_extends``), fits the empty slots after them,
-    and no filled slot scores -inf (which the pairing would take before an empty slot; a NaN fails too)."""
-    room = _room(b, active, new, b.shape("pos", 2))
+    and no filled slot scores -inf (which the pairing would take before an empty slot; a NaN fails too).
+    ``fits``: those two tests already made (the kernel over the state's ``uses``), not made again."""
+    if fits is None:
+        fits = b.op("And", _extends(b, filled, active, window_attr), _room(b, active, new, b.shape("pos", 2)))
     above = b.op("Or", b.op("Greater", "score", b.f32(float("-inf"))), b.op("Not", filled))
     finite = b.op("Equal", b.op("ReduceMin", b.op("Cast", above, to=TensorProto.INT64), keepdims=0), b.i64(1))
-    plain = b.op("And", b.op("Not", observing), _extends(b, filled, active, window_attr))
-    return b.op("And", plain, b.op("And", room, finite))
+    return b.op("And", b.op("And", b.op("Not", observing), fits), finite)
 
 
 def _writes(
@@ -1000,19 +977,39 @@ def _fused_output(
 def _gqa_output(b: Body, attend: _Attend, active: str, new: str, heads: Heads) -> str:
     """The attention output [B,T,H,D] from ``com.microsoft::GroupQueryAttention`` over a past of the active slots
     (``attend.old_k``/``old_v``, slots [0, active)): right only where the call extends them (``_extends``)."""
-    query = b.op("Reshape", b.op("Transpose", "q", perm=[0, 2, 1, 3]), b.i64([0, 0, heads.query * heads.dim]))
-    kv_width = b.i64([0, 0, heads.kv * heads.dim])
-    key = b.op("Reshape", b.op("Transpose", "k", perm=[0, 2, 1, 3]), kv_width)
-    value = b.op("Reshape", b.op("Transpose", "v", perm=[0, 2, 1, 3]), kv_width)
-    total = b.op("Add", active, new)  # [1]
+    return _kernel(b, attend.old_k, attend.old_v, active, new, heads)
+
+
+def _kernel(
+    b: Body,
+    past_k: str,
+    past_v: str,
+    active: str,
+    rows: str,
+    heads: Heads,
+    first: str | None = None,
+    name: str = "gqa",
+) -> str:
+    """``com.microsoft::GroupQueryAttention`` of ``rows`` new tokens (the last ones of q, k, v from ``first``; all
+    of them without it) after ``active`` past slots of ``past_k``/``past_v``; its output [B,rows,H,D]. The node
+    is named ``name`` (made unique), its presents left for a caller that wants them (``prefill_graph``)."""
+
+    def packed(x: str, width: int) -> str:  # [B,H,T,D] → the kernel's [B,T,H·D]
+        whole = b.op("Reshape", b.op("Transpose", x, perm=[0, 2, 1, 3]), b.i64([0, 0, width]))
+        return whole if first is None else b.op("Slice", whole, first, b.i64([HUGE]), b.i64([1]))
+
+    query = packed("q", heads.query * heads.dim)
+    key, value = packed("k", heads.kv * heads.dim), packed("v", heads.kv * heads.dim)
+    total = b.op("Add", active, rows)  # [1]
     batch = b.op("Shape", "position_ids", end=1)
     seqlens = b.op("Cast", b.op("Expand", b.op("Sub", total, b.i64([1])), batch), to=TensorProto.INT32)
     total_length = b.op("Cast", b.op("Squeeze", total), to=TensorProto.INT32)
-    fused = [b.fresh("gqa_out"), b.fresh("gqa_present_k"), b.fresh("gqa_present_v")]
+    fused = [b.fresh(f"{name}_out"), b.fresh(f"{name}_present_k"), b.fresh(f"{name}_present_v")]
     node = helper.make_node(
         "GroupQueryAttention",
-        [query, key, value, attend.old_k, attend.old_v, seqlens, total_length],
+        [query, key, value, past_k, past_v, seqlens, total_length],
         fused,
+        name=b.fresh(name),
         domain="com.microsoft",
         num_heads=heads.query,
         kv_num_heads=heads.kv,
