@@ -41,9 +41,19 @@ class ValueInfo:
     dims: tuple[int | str | None, ...] | None  # a number, a symbolic name, None (unknown); None: no shape
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """A main-graph initializer whose bytes lie in an external file."""
+
+    data_type: int  # onnx TensorProto.DataType
+    dims: tuple[int, ...]
+    entries: dict[str, str]  # location, offset, length (checked by graph_problems before a graph is opened)
+
+
 @dataclass
 class GraphScan:
     external: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (tensor name, its entries)
+    stored: dict[str, StoredTensor] = field(default_factory=dict)  # the main graph's external initializers
     nodes: set[tuple[str, str]] = field(default_factory=set)  # (domain, op_type), nested graphs included
     top_level: dict[str, int] = field(default_factory=dict)  # "domain::op_type" (or op_type) → nodes in the graph
     functions: set[tuple[str, str]] = field(default_factory=set)  # (domain, name)
@@ -256,7 +266,7 @@ def _graph(data: memoryview, span: tuple[int, int], result: GraphScan, depth: in
                 kind = f"{domain}::{op_type}" if domain else op_type
                 result.top_level[kind] = result.top_level.get(kind, 0) + 1
         elif number == 5:  # initializer
-            _tensor(data, _span(value), result)
+            _tensor(data, _span(value), result, main)
         elif number == 15:  # sparse_initializer: values (1), indices (2)
             _sparse(data, _span(value), result)
         elif main and number == 11:
@@ -308,12 +318,24 @@ def _sparse(data: memoryview, span: tuple[int, int], result: GraphScan) -> None:
             _tensor(data, _span(value), result)
 
 
-def _tensor(data: memoryview, span: tuple[int, int], result: GraphScan) -> None:
+def _tensor(data: memoryview, span: tuple[int, int], result: GraphScan, main: bool = False) -> None:
     name = ""
     entries: dict[str, str] = {}
     external = False
+    data_type = 0
+    dims: list[int] = []
     for number, wire, value in _fields(data, *span):
-        if number == 8:
+        if number == 1:  # dims: repeated int64, packed or not
+            if wire == 2:
+                start, end = _span(value)
+                while start < end:
+                    dim, start = _varint(data, start, end)
+                    dims.append(dim)
+            else:
+                dims.append(_number(wire, value))
+        elif number == 2:
+            data_type = _number(wire, value)
+        elif number == 8:
             name = _text(data, value)
         elif number == 14:  # data_location: 1 = EXTERNAL
             external = _number(wire, value) == 1
@@ -327,6 +349,8 @@ def _tensor(data: memoryview, span: tuple[int, int], result: GraphScan) -> None:
             entries[key] = text
     if external or entries:
         result.external.append((name, entries))
+        if main and external:
+            result.stored[name] = StoredTensor(data_type, tuple(dims), entries)
 
 
 def _value_info(data: memoryview, span: tuple[int, int]) -> ValueInfo:

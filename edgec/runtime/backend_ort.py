@@ -37,6 +37,7 @@ import onnxruntime as ort
 from edgec.errors import BundleError
 from edgec.kvcache.reference import select_slots
 from edgec.kvcache.spec import OBSERVE_INPUT, POSITIONS, PROTECT_INPUT, CacheSpec, StateTensor, present_name
+from edgec.runtime import shared_weights
 from edgec.runtime.observe import PromptObservation
 
 StateEntry = tuple[StateTensor, ort.OrtValue]  # a state tensor and the buffer holding it (host or device)
@@ -58,9 +59,20 @@ class StateDevice(NamedTuple):
         return cls(kind, int(device_id) if str(device_id).isdigit() else 0)
 
 
-def session_options(threads: int | None, spin: bool | None = None) -> ort.SessionOptions:
-    """``spin`` None: chosen by ``allow_spinning``; True/False as given (a calibration's measured choice)."""
+def session_options(
+    threads: int | None,
+    spin: bool | None = None,
+    initializers: dict[str, ort.OrtValue] | None = None,
+    prepack: bool = True,
+) -> ort.SessionOptions:
+    """``spin`` None: chosen by ``allow_spinning``; True/False as given (a calibration's measured choice).
+    ``initializers``: weights the session uses where they lie instead of loading its own (``shared_weights``);
+    ``prepack`` False: it packs no weight into a form of its own."""
     options = ort.SessionOptions()
+    for name, value in (initializers or {}).items():
+        options.add_initializer(name, value)
+    if not prepack:
+        options.add_session_config_entry(*shared_weights.PREPACKING_OFF)
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     spin = allow_spinning(threads) if spin is None else spin
@@ -117,14 +129,19 @@ class OrtGraph:
         provider_options: dict[str, dict[str, str]] | None,
         exact: bool,
         spin: bool | None = None,
+        initializers: dict[str, ort.OrtValue] | None = None,
+        prepack: bool = True,
     ) -> None:
+        """``initializers`` / ``prepack``: as ``session_options`` takes them (the session keeps the former)."""
         per_provider = [(provider_options or {}).get(name, {}) for name in providers]
         self.device = StateDevice.for_providers(providers, provider_options)
         if providers[0] == "CUDAExecutionProvider":
             check_cuda_can_start()
+        options = session_options(threads, spin, initializers, prepack)
         self.session = ort.InferenceSession(
-            str(model_path), session_options(threads, spin), providers=providers, provider_options=per_provider
+            str(model_path), options, providers=providers, provider_options=per_provider
         )
+        self.shared = initializers or {}  # ONNX Runtime reads these buffers for the session's whole life
         if providers[0] not in self.session.get_providers():  # ONNX Runtime logs why, then runs on the CPU
             raise BundleError(
                 f"ONNX Runtime could not start its {providers[0]} here (its own message above says why); "
@@ -447,13 +464,25 @@ def open_backend(
     ``prompt_threads`` / ``prompt_spin``: the prompt-chunk graph's own setting (``prefill_file``), where it has
     one; by default the decode graph's."""
     vocab = int(model["vocab_size"])
-    first = OrtGraph(folder / model["file"], spec, providers, threads, provider_options, exact, spin)
+    shared = {}
+    if "prefill_file" in model and "decode_file" not in model and providers[0] == "CPUExecutionProvider":
+        arrays = shared_weights.shared_weights(folder, [model["file"], model["prefill_file"]])
+        shared = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
+    first = OrtGraph(folder / model["file"], spec, providers, threads, provider_options, exact, spin, shared)
     if "decode_file" not in model:
         prefill = None
         if "prefill_file" in model:
             chunk_threads, chunk_spin = (prompt_threads, prompt_spin) if prompt_threads else (threads, spin)
             prefill = OrtGraph(
-                folder / model["prefill_file"], spec, providers, chunk_threads, provider_options, exact, chunk_spin
+                folder / model["prefill_file"],
+                spec,
+                providers,
+                chunk_threads,
+                provider_options,
+                exact,
+                chunk_spin,
+                shared,
+                prepack=not shared,  # the mapped weights stay unpacked there (shared_weights: why)
             )
         return OrtBackend(first, vocab, prefill_chunk, prefill)
     decode = OrtGraph(folder / model["decode_file"], spec, providers, threads, provider_options, exact, spin)
