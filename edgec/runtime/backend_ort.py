@@ -347,20 +347,25 @@ class OrtCacheState:
         if self._active is self._state:
             return
         compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
-        by_layer: dict[int, dict[str, np.ndarray]] = {}
+        temporary: dict[int, list[StateEntry]] = {}
         for tensor, value in self._active:
             if tensor.layer in compressed:
-                by_layer.setdefault(tensor.layer, {})[tensor.name] = value.numpy()
-        capacity = self.compression.capacity
-        kept = {
-            layer: select_slots(state, self.compression, newest, capacity, last_chunk_start)
-            for layer, state in by_layer.items()
-        }
+                temporary.setdefault(tensor.layer, []).append((tensor, value))
+        real: dict[int, list[StateEntry]] = {}
         for tensor, value in self._state:
-            if tensor.layer in kept:
-                value.update_inplace(_rows_of(kept[tensor.layer][tensor.name], value.shape()))
+            real.setdefault(tensor.layer, []).append((tensor, value))
         self._active = self._state
         self._fed = None  # the kept slots, up to the capacity
+        # a layer at a time, its temporary buffers dropped (unmapped: _own_mapping) once its slots are written,
+        # so the temporary state and the real one are never resident whole together. The entries must outlive
+        # every read: ``OrtValue.numpy()`` is a view that does not keep the buffer (unmapped, it would fault)
+        for layer in list(temporary):
+            entries = temporary.pop(layer)
+            state = {tensor.name: value.numpy() for tensor, value in entries}
+            kept = select_slots(state, self.compression, newest, self.compression.capacity, last_chunk_start)
+            for tensor, value in real[layer]:
+                value.update_inplace(_rows_of(kept[tensor.name], value.shape()))
+            del state, kept, entries
 
     def run(self, ids: np.ndarray, start: int, last_only: bool, protect: np.ndarray | None = None) -> np.ndarray:
         count = len(ids)
