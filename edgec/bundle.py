@@ -235,11 +235,14 @@ def verify_hashes(folder: str | Path, manifest: dict[str, Any]) -> list[str]:
 TrustedKeys = Any
 
 
-def open_bundle(folder: str | Path, check_hashes: bool = False, trust: TrustedKeys | None = None) -> dict[str, Any]:
+def open_bundle(
+    folder: str | Path, check_hashes: bool = False, trust: TrustedKeys | None = None, scans: dict | None = None
+) -> dict[str, Any]:
     """Everything ``Model.load`` checks before any file reaches a runtime library: ``read_manifest``, the graph's
     external data and ops (``edgec.onnx_scan``), and with ``check_hashes`` every sha256. With ``trust`` (public
     key(s)) the bundle must carry a valid signature by one of them over its manifest, hold exactly the listed
-    files, and every file must match its hash: one line names the first file that does not (``SignatureError``)."""
+    files, and every file must match its hash: one line names the first file that does not (``SignatureError``).
+    ``scans``: filled with the graph files' scans (``onnx_scan.graph_problems``)."""
     from edgec.onnx_scan import graph_problems
 
     folder = Path(folder)
@@ -260,7 +263,7 @@ def open_bundle(folder: str | Path, check_hashes: bool = False, trust: TrustedKe
             f"{', '.join(bad)} in {folder} differ from the manifest (sha256): damaged, or changed since the build "
             "(only a signed bundle loaded with a trust key shows who changed it)"
         )
-    if problems := graph_problems(folder, manifest):
+    if problems := graph_problems(folder, manifest, scans):
         raise BundleError(f"{folder}: {problems[0]}")
     return manifest
 

@@ -76,9 +76,10 @@ def scan(path: Path) -> GraphScan:
     return result
 
 
-def graph_problems(folder: Path, manifest: dict[str, Any]) -> list[str]:
+def graph_problems(folder: Path, manifest: dict[str, Any], scans: dict[str, GraphScan] | None = None) -> list[str]:
     """Why the bundle's ONNX graph(s) must not reach ONNX Runtime; empty when they may. ``manifest`` has passed
-    ``manifest_errors`` and the file checks (its paths are listed regular files inside ``folder``)."""
+    ``manifest_errors`` and the file checks (its paths are listed regular files inside ``folder``). ``scans``:
+    filled with each graph file's scan, for a loader that reads them again (``runtime.shared_weights``)."""
     problems = []
     files = manifest["files"]
     for key in ("file", "decode_file", "prefill_file"):
@@ -90,6 +91,8 @@ def graph_problems(folder: Path, manifest: dict[str, Any]) -> list[str]:
         except (OnnxFormatError, OSError) as error:
             problems.append(f"{name} is not a readable ONNX model ({error})")
             continue
+        if scans is not None:
+            scans[name] = graph
         for tensor, entries in graph.external:
             problems += _external_problems(name, tensor, entries, files)
         functions = {domain for domain, _ in graph.functions}

@@ -480,15 +480,16 @@ def open_backend(
     spin: bool | None = None,
     prompt_threads: int | None = None,
     prompt_spin: bool | None = None,
+    scans: dict | None = None,
 ) -> OrtBackend | StaticOrtBackend:
     """The backend for a bundle's ``model`` section (its manifest entry): one dynamic graph, or two static ones.
     ``exact``: the spec names every state tensor the graph has (format v2); False narrows it to the graph's.
     ``prompt_threads`` / ``prompt_spin``: the prompt-chunk graph's own setting (``prefill_file``), where it has
-    one; by default the decode graph's."""
+    one; by default the decode graph's. ``scans``: the graph files as ``open_bundle`` read them (else read here)."""
     vocab = int(model["vocab_size"])
     shared = {}
     if "prefill_file" in model and "decode_file" not in model and providers[0] == "CPUExecutionProvider":
-        arrays = shared_weights.shared_weights(folder, [model["file"], model["prefill_file"]])
+        arrays = shared_weights.shared_weights(folder, [model["file"], model["prefill_file"]], scans)
         shared = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
     first = OrtGraph(folder / model["file"], spec, providers, threads, provider_options, exact, spin, shared)
     if "decode_file" not in model:

@@ -87,6 +87,7 @@ class Model:
         spin: bool | None = None,
         prompt_threads: int | None = None,
         prompt_spin: bool | None = None,
+        scans: dict | None = None,
         **recall: int | None,
     ) -> None:
         self.path = path
@@ -107,7 +108,16 @@ class Model:
             manifest["tokenizer"].get("chat_note", ""),
         )
         self._backend = _backend(
-            path, manifest, self.cache_spec, self.vocab_size, threads, providers, spin, prompt_threads, prompt_spin
+            path,
+            manifest,
+            self.cache_spec,
+            self.vocab_size,
+            threads,
+            providers,
+            spin,
+            prompt_threads,
+            prompt_spin,
+            scans,
         )
         self.threads, self.spin = threads, spin  # as asked or calibrated (None: ONNX Runtime's default / the load rule)
         self.cache_spec = self._backend.spec  # a format-v1 bundle's spec, narrowed to what its graph carries
@@ -227,7 +237,8 @@ class Model:
         prompt-chunk graph (``prefill.onnx``) then reads prompts on every usable core (its products are large
         enough to use them) unless ``threads`` is named, which both graphs use."""
         path = Path(path)
-        manifest = open_bundle(path, check_hashes=check_hashes, trust=trust)
+        scans: dict = {}  # the graph files as the checks read them: the backend needs some of it again
+        manifest = open_bundle(path, check_hashes=check_hashes, trust=trust, scans=scans)
         recall = dict(kv_recall=kv_recall, kv_recall_block=kv_recall_block, kv_recall_every=kv_recall_every)
         prompt: dict[str, Any] = {}
         if threads is None or spin is None:
@@ -246,7 +257,9 @@ class Model:
                     # the calibration measured decode; prompt chunks are large products that use every core
                     prompt = {"prompt_threads": cores, "prompt_spin": named_spin}
         try:
-            return cls(path, manifest, threads, kv_capacity, prefill_compress, providers, spin, **prompt, **recall)
+            return cls(
+                path, manifest, threads, kv_capacity, prefill_compress, providers, spin, **prompt, scans=scans, **recall
+            )
         except MemoryError:
             raise BundleError(f"{path} needs more memory than this machine can give (its cache or logits)") from None
         except Exception as error:  # ONNX Runtime's own exception types (InvalidGraph, Fail, ...) are not ours
@@ -678,9 +691,11 @@ def _backend(
     spin: bool | None = None,
     prompt_threads: int | None = None,
     prompt_spin: bool | None = None,
+    scans: dict | None = None,
 ) -> Backend:
     """The backend the manifest names; a missing library or provider is an error naming the extra — never a
-    silent fallback to another device. ``providers`` (an explicit override) replaces the manifest's."""
+    silent fallback to another device. ``providers`` (an explicit override) replaces the manifest's; ``scans``:
+    the graph files as ``open_bundle`` read them."""
     runtime = manifest["runtime"]
     exact = manifest["format_version"] >= 2
     if (
@@ -722,6 +737,7 @@ def _backend(
         spin,
         prompt_threads,
         prompt_spin,
+        scans,
     )
 
 

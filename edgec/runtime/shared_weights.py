@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgec.onnx_scan import StoredTensor, scan
+from edgec.onnx_scan import GraphScan, StoredTensor, scan
 
 # float element types shared (onnx TensorProto.DataType → numpy)
 FLOAT_TYPES = {1: np.float32, 10: np.float16, 11: np.float64}
@@ -31,14 +31,15 @@ PREPACKING_OFF = ("session.disable_prepacking", "1")  # the prompt-chunk session
 ALIGNMENT = 64  # bytes: a tensor mapped at a less aligned offset is left to ONNX Runtime's own loading
 
 
-def shared_weights(folder: Path, graphs: list[str]) -> dict[str, np.ndarray]:
+def shared_weights(folder: Path, graphs: list[str], scans: dict[str, GraphScan] | None = None) -> dict[str, np.ndarray]:
     """Read-only arrays over the bundle's data files for every float initializer that each of ``graphs`` (file
     names in ``folder``) stores externally at the same place; empty when a graph has quantized weights or
-    none are common. The locations were checked by ``onnx_scan.graph_problems`` when the bundle opened."""
-    scans = [scan(folder / name) for name in graphs]
-    if any(op_type in PACKED_OWN_FORM for one in scans for _, op_type in one.nodes):
+    none are common. The locations were checked by ``onnx_scan.graph_problems`` when the bundle opened;
+    ``scans``: its scans of the graph files (a graph missing there is read here)."""
+    read = [(scans or {}).get(name) or scan(folder / name) for name in graphs]
+    if any(op_type in PACKED_OWN_FORM for one in read for _, op_type in one.nodes):
         return {}
-    first, *others = (one.stored for one in scans)
+    first, *others = (one.stored for one in read)
     files: dict[str, np.memmap] = {}
     shared = {}
     for name, tensor in first.items():

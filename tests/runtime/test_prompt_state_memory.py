@@ -27,9 +27,10 @@ def fp32_slots(tmp_path_factory, tiny_llama):
 
 def test_the_temporary_state_is_its_own_mappings_and_freed_when_the_prompt_ends(fp32_slots, monkeypatch):
     mappings: list[weakref.ref] = []
+    own = backend_ort._own_mapping
 
     def recorded(array):
-        copy = OWN(array)
+        copy = own(array)
         base = copy.base
         while base is not None and not isinstance(base, mmap.mmap):
             base = getattr(base, "obj", None) or getattr(base, "base", None)
@@ -37,7 +38,6 @@ def test_the_temporary_state_is_its_own_mappings_and_freed_when_the_prompt_ends(
             mappings.append(weakref.ref(base))
         return copy
 
-    OWN = backend_ort._own_mapping
     monkeypatch.setattr(backend_ort, "_own_mapping", recorded)
     model = Model.load(fp32_slots)
     state = model._backend.open_state()

@@ -70,7 +70,7 @@ def test_both_sessions_read_one_mapped_copy_and_the_prompt_session_packs_none(fp
 
 def test_the_answers_are_each_sessions_own(fp32_slots, monkeypatch):
     shared_logits, shared_tokens = _answers(fp32_slots)
-    monkeypatch.setattr(shared_weights, "shared_weights", lambda folder, graphs: {})
+    monkeypatch.setattr(shared_weights, "shared_weights", lambda folder, graphs, scans=None: {})
     own_logits, own_tokens = _answers(fp32_slots)
     assert Model.load(fp32_slots)._backend.graph.shared == {}  # the monkeypatch reached the loader
     np.testing.assert_allclose(shared_logits, own_logits, rtol=0, atol=1e-4)
