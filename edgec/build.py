@@ -16,7 +16,7 @@ from edgec.bundle import atomic_folder, write_manifest, write_npz
 from edgec.errors import BuildError, BuildSettingsError
 from edgec.kvcache.compression import Compression
 from edgec.pipeline import Choices, passes_for
-from edgec.plan import with_memory
+from edgec.plan import Settings, with_memory
 from edgec.shape import ModelShape
 from edgec.targets import ORT_MIN_VERSIONS, ORT_PROVIDERS, Target, load_target
 
@@ -76,8 +76,11 @@ class Plan:
         return {"prefill_chunk": self.prefill_chunk, "protect": settings.protect}
 
 
-def plan_build(settings: BuildSettings, shape: ModelShape, max_context: int | None) -> Plan:
-    """Check every setting against the target and the model; the passes to run. One clear line per problem."""
+def plan_build(
+    settings: BuildSettings, shape: ModelShape, max_context: int | None, source_kind: str | None = None
+) -> Plan:
+    """Check every setting against the target and the model; the passes to run. One clear line per problem.
+    ``source_kind`` (``inspect_source``'s ``kind``): a GGUF's own blocks split their activations by default."""
     target = with_memory(load_target(settings.target), settings.memory)
     if not target.buildable:
         raise BuildSettingsError(
@@ -134,8 +137,22 @@ def plan_build(settings: BuildSettings, shape: ModelShape, max_context: int | No
     choices = Choices(target, weights, context, kv, weight_options(target, settings, weights), settings.kv_plugin)
     passes, options = passes_for(choices)
     plan = Plan(target, shape, context, prefill_chunk, weights, kv, passes, options)
-    check_fits(plan, kv_dtype=kv.dtype if kv else ("fp16" if choices.fp16_compute else "fp32"))
+    kv_dtype = kv.dtype if kv else ("fp16" if choices.fp16_compute else "fp32")
+    check_fits(plan, kv_dtype, splits_activations(plan, settings, source_kind))
     return plan
+
+
+def splits_activations(plan: Plan, settings: BuildSettings, source_kind: str | None) -> bool:
+    """Whether this build's int4/int8 products will split their activations (asked for, or the default for a
+    GGUF's own blocks: ``_with_source_blocks``), which gives the bundle a prompt-chunk graph."""
+    if any(isinstance(options, dict) and options.get("split_activations") for options in plan.options.values()):
+        return True
+    int4 = plan.options.get("int4_weights")
+    gguf_default = settings.split_activations is None and settings.accuracy_level >= 2
+    return (
+        bool(int4 and int4["form"] == "matmulnbits" and settings.quant_method == "rtn" and source_kind == "gguf")
+        and gguf_default
+    )
 
 
 def native_decode(target: Target, kv: Compression, kv_plugin: bool) -> bool:
@@ -221,13 +238,14 @@ def resolve_context(settings: BuildSettings, max_context: int | None) -> int:
     return context
 
 
-def check_fits(plan: Plan, kv_dtype: str) -> None:
-    """Run the memory planner on the settings this build produces: refuse what cannot fit."""
-    from edgec.plan import Settings
-    from edgec.plan import plan as memory_plan
-
+def memory_settings(plan: Plan, kv_dtype: str, split_activations: bool = False) -> Settings:
+    """The memory planner's view of what this build produces (``split_activations``: ``splits_activations``)."""
+    target = plan.target
+    # a prompt-chunk graph (prefill_graph.write_prefill_graph) is a second session with its own weights
+    fp32_slots = plan.kv is not None and plan.kv.dtype == "fp32" and target.abilities.attention == "gqa"
+    prompt_graph = not target.static_shapes and not target.abilities.engine and (split_activations or fp32_slots)
     capacity = plan.kv.capacity if plan.kv else plan.context
-    settings = Settings(
+    return Settings(
         weights=plan.weights,
         kv=kv_dtype,
         context=plan.context,
@@ -237,8 +255,18 @@ def check_fits(plan: Plan, kv_dtype: str) -> None:
         kv_mixed=plan.kv.mixed if plan.kv else Settings.kv_mixed,
         kv_sink=plan.kv.sink if plan.kv else Settings.kv_sink,
         kv_window=plan.kv.window if plan.kv else Settings.kv_window,
+        prefill_compress=plan.kv.prefill_compress if plan.kv else Settings.prefill_compress,
+        split_activations=split_activations,
+        prompt_graph=prompt_graph,
     )
-    memory_plan(plan.shape, plan.target, settings, fixed=frozenset({"weights", "kv", "prefill_chunk", "capacity"}))
+
+
+def check_fits(plan: Plan, kv_dtype: str, split_activations: bool = False) -> None:
+    """Run the memory planner on the settings this build produces: refuse what cannot fit."""
+    from edgec.plan import plan as memory_plan
+
+    everything = frozenset({"weights", "kv", "prefill_chunk", "capacity", "prefill_compress"})
+    memory_plan(plan.shape, plan.target, memory_settings(plan, kv_dtype, split_activations), fixed=everything)
 
 
 def build(
@@ -257,7 +285,7 @@ def build(
 
     # fail fast, from the config alone, before the output folder is touched or weights are read
     source = inspect_source(model_path, settings.allow_pickle)
-    plan = plan_build(settings, source["shape"], source["shape"].max_context)
+    plan = plan_build(settings, source["shape"], source["shape"].max_context, source["kind"])
     with atomic_folder(output, settings.overwrite, seal=seal) as folder:
         return _build_into(Path(model_path), folder, settings, plan, progress)
 

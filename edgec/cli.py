@@ -373,12 +373,20 @@ def targets() -> None:
     help="The sinks and recent window (sink + window slots per head) in this wider storage (edgec build --kv-mixed).",
 )
 @click.option(
+    "--prefill-compress",
+    type=click.Choice(["end", "chunk"]),
+    default=None,
+    help="How a prompt longer than a compressed cache's capacity is read (edgec build --prefill-compress): end "
+    "reads it whole first (its temporary state counts), chunk compresses as it reads [default: end, conceded to "
+    "chunk with fewer slots].",
+)
+@click.option(
     "--memory",
     default=None,
     help="The device's memory (6GB, 8GiB, 512MiB) in place of the target's; the target's usable share and "
     "runtime overhead still apply.",
 )
-def plan(model, target, context, weights, kv, prefill_chunk, kv_mixed, memory) -> None:
+def plan(model, target, context, weights, kv, prefill_chunk, kv_mixed, prefill_compress, memory) -> None:
     """Will MODEL fit TARGET, and with which settings? Needs only a config (no weights). Ends with the
     `edgec build` line that builds the plan.
 
@@ -396,7 +404,7 @@ def plan(model, target, context, weights, kv, prefill_chunk, kv_mixed, memory) -
     from edgec.plan import plan as make_plan
 
     memory_bytes = parse_memory(memory) if memory is not None else None
-    shape, chosen = _plan_inputs(model, target, context, weights, kv, prefill_chunk, kv_mixed)
+    shape, chosen = _plan_inputs(model, target, context, weights, kv, prefill_chunk, kv_mixed, prefill_compress)
     estimate = make_plan(shape, with_memory(chosen[0], memory_bytes), chosen[1], fixed=chosen[2])
     table = Table("", "", title=f"{shape.name} on {estimate.target.name}: fits")
     for key, value in estimate.table():
@@ -425,7 +433,7 @@ def plain_console():
     return console
 
 
-def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk, kv_mixed="none"):
+def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk, kv_mixed="none", prefill_compress=None):
     from edgec.build import MIXED_TARGETS
     from edgec.errors import BuildSettingsError
     from edgec.kvcache.quantize import bytes_per_value
@@ -445,6 +453,10 @@ def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk, kv_mix
         context=context or shape.max_context or 4096,
         prefill_chunk=prefill_chunk or int(target.defaults.get("prefill_chunk", 512)),
         kv_mixed=kv_mixed,
+        prefill_compress=prefill_compress or Settings.prefill_compress,
+        # quantized products split their activations (and so get a prompt-chunk graph) by default only for a
+        # GGUF's own blocks; from a folder, a config or a bundled name they do not
+        split_activations=str(model).lower().endswith(".gguf"),
     )
     narrower = kv is not None and kv_mixed != "none" and bytes_per_value(kv_mixed, 32) > bytes_per_value(kv, 32)
     if kv_mixed != "none" and (target.name not in MIXED_TARGETS or not narrower):
@@ -452,7 +464,8 @@ def _plan_inputs(model, target_name, context, weights, kv, prefill_chunk, kv_mix
             f"--kv-mixed {kv_mixed} plans the ONNX Runtime CPU targets ({', '.join(MIXED_TARGETS)}) with a narrower "
             f"--kv given (int4 under int8; int4/int8/fp8 under fp16); got {target.name}, --kv {kv}"
         )
-    fixed = frozenset(n for n, v in (("weights", weights), ("kv", kv), ("prefill_chunk", prefill_chunk)) if v)
+    given = (("weights", weights), ("kv", kv), ("prefill_chunk", prefill_chunk), ("prefill_compress", prefill_compress))
+    fixed = frozenset(name for name, value in given if value)
     return shape, (target, settings, fixed)
 
 

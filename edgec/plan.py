@@ -6,11 +6,16 @@ makes the next concession in ``CONCESSIONS`` — cheapest in quality first (docs
 1. KV cache fp32 → fp16, then int8 (SmolLM2: perplexity 20.39 → 20.40)
 2. weights → int8, then int4 (block 32; lossless from a Q4 GGUF, small loss otherwise)
 3. prefill chunk halved down to 128 (costs only prefill speed)
-4. KV capacity 50 %, then 25 % of the context (compressed cache with eviction)
+4. KV capacity 50 %, then 25 % of the context (compressed cache with eviction), prompts compressed as they are
+   read (``--prefill-compress chunk``): an ``end`` prompt as long as the context is first read whole into a
+   temporary state, so with ``end`` a smaller capacity never lowers the peak
 5. KV int4 (SmolLM2: 20.39 → 23.05), then capacity 12.5 %
 
-Settings the user fixed are never conceded. When nothing fits, the refusal gives the numbers and the largest
-context that would fit with every concession made.
+The total is the peak: weights (twice where a second ONNX Runtime session holds its own copy: a prompt-chunk graph
+beside the step graph, or a static target's two graphs), the cache, the temporary state of an ``end`` prompt as
+long as the context, and one chunk's activations. A concession that does not lower it is not made. Settings the
+user fixed are never conceded. When nothing fits, the refusal gives the numbers and the largest context that
+would fit with every concession made.
 """
 
 from __future__ import annotations
@@ -79,16 +84,39 @@ class Settings:
     kv_mixed: str = Compression.mixed
     kv_sink: int = Compression.sink
     kv_window: int = Compression.window
+    # how a prompt longer than the capacity is read (--prefill-compress): end = whole into a temporary state first
+    prefill_compress: str = Compression.prefill_compress
+    # whether int4/int8 products split their activations (the default for a GGUF's own blocks), which gives the
+    # bundle a prompt-chunk graph (prefill.onnx) in a session of its own
+    split_activations: bool = True
+    # whether the bundle has that graph, as the build knows it; None: from the settings (``default_prompt_graph``)
+    prompt_graph: bool | None = None
 
     @property
     def capacity(self) -> int:
         return max(1, int(self.context * self.capacity_fraction))
+
+    @property
+    def compressed(self) -> bool:
+        """A compressed cache (slots chosen by eviction, or quantized storage)."""
+        return self.capacity_fraction < 1 or self.kv in ("int8", "int4", "fp8")
+
+    @property
+    def reads_prompts_whole(self) -> bool:
+        """Whether a prompt as long as the context is first read whole into a temporary state beside the slots
+        (``prefill_compress`` end with fewer slots than the context: the runtime's ``begin_prompt``)."""
+        return self.compressed and self.prefill_compress == "end" and self.capacity < self.context
 
     def describe(self) -> str:
         capacity = "full" if self.capacity_fraction == 1 else f"{self.capacity} slots ({self.capacity_fraction:.1%})"
         return (
             f"weights {self.weights}, KV {self.kv} at capacity {capacity}, context {self.context}, "
             f"prefill chunk {self.prefill_chunk}"
+            + (
+                f", prompts compressed {'at the end' if self.prefill_compress == 'end' else 'per chunk'}"
+                if self.capacity_fraction < 1
+                else ""
+            )
         )
 
 
@@ -101,10 +129,12 @@ class Estimate:
     kv_bytes: int
     activation_bytes: int
     concessions: tuple[str, ...] = ()
+    prompt_state_bytes: int = 0  # an `end` prompt's temporary state, beside the slots while the prompt is read
+    weight_copies: int = 1
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.activation_bytes
+        return self.weights_bytes + self.kv_bytes + self.prompt_state_bytes + self.activation_bytes
 
     @property
     def fits(self) -> bool:
@@ -115,13 +145,27 @@ class Estimate:
 
     def table(self) -> list[tuple[str, str]]:
         gb = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
-        return [
+        copies = ""
+        if self.weight_copies > 1:
+            copies = ", one copy per static graph" if self.target.static_shapes else ", two sessions (prompt + step)"
+        rows = [
             (
                 "weights",
                 f"{gb(self.weights_bytes)} ({self.model.parameters() / 1e6:,.0f} M params, {self.settings.weights}"
-                + (", one copy per static graph)" if self.target.static_shapes else ")"),
+                + copies
+                + ")",
             ),
             ("KV cache", f"{gb(self.kv_bytes)} ({self.settings.capacity} slots, {self.settings.kv}{self._mixed()})"),
+        ]
+        if self.prompt_state_bytes:
+            rows.append(
+                (
+                    "prompt state",
+                    f"{gb(self.prompt_state_bytes)} (a {self.settings.context}-token prompt read whole before its "
+                    "slots are chosen: --prefill-compress end)",
+                )
+            )
+        return rows + [
             ("activations", f"{gb(self.activation_bytes)} (prefill chunk {self.settings.prefill_chunk})"),
             ("total", gb(self.total_bytes)),
             ("usable on target", f"{gb(self.target.usable_bytes)} of {gb(self.target.memory_bytes)}"),
@@ -134,12 +178,33 @@ def _mixed_text(settings: Settings) -> str:
     return f"; sinks + window ({settings.kv_sink + settings.kv_window} slots) {settings.kv_mixed}"
 
 
+def default_prompt_graph(target: Target, settings: Settings) -> bool:
+    """Whether a bundle of these settings has a prompt-chunk graph beside its step graph (``prefill_graph``): on
+    ONNX Runtime targets (not static, no engine) when its int4/int8 products split their activations or its
+    compressed layers keep fp32 slots that GroupQueryAttention reads in place."""
+    if target.static_shapes or target.abilities.engine:
+        return False
+    fp32_slots = settings.compressed and settings.kv == "fp32" and target.abilities.attention == "gqa"
+    return fp32_slots or (settings.split_activations and settings.weights in ("int4", "int8"))
+
+
+def count_weight_copies(target: Target, settings: Settings) -> int:
+    """Copies of the weights the runtime holds: two where a second session has its own — a static target's two
+    graphs, or a prompt-chunk graph (each ONNX Runtime session packs its own copy of the products' weights; float
+    weights are mapped once and packed by the step session: docs/BENCHMARKS.md, sixteenth round of issue 21)."""
+    if target.static_shapes:
+        return 2
+    graph = settings.prompt_graph
+    return 2 if (default_prompt_graph(target, settings) if graph is None else graph) else 1
+
+
 def estimate(model: ModelShape, target: Target, settings: Settings, concessions: tuple[str, ...] = ()) -> Estimate:
     # a static-shape target runs two graphs (prefill chunk, decode step) in two sessions, each holding its own
-    # device copy of the weights; and its prefill graph computes logits for every row of the chunk
-    copies = 2 if target.static_shapes else 1
+    # device copy of the weights, and its prefill graph computes logits for every row of the chunk; an ONNX
+    # Runtime bundle with a prompt-chunk graph also has two sessions
+    copies = count_weight_copies(target, settings)
     weights = int(model.parameters() * WEIGHT_BYTES[settings.weights]) * copies
-    compressed = settings.capacity_fraction < 1 or settings.kv in ("int8", "int4", "fp8")
+    compressed = settings.compressed
     compute = 2 if target.device != "cpu" else 4  # GPUs and NPUs compute in fp16, CPUs in fp32
     chunk = settings.prefill_chunk
     # global layers hold `capacity` slots in the chosen KV dtype; a sliding-window layer is a ring of its window
@@ -159,18 +224,26 @@ def estimate(model: ModelShape, target: Target, settings: Settings, concessions:
         if compressed
         else 2 * model.head_dim * bytes_per_value(settings.kv, compression.group)
     )
-    if compression.hi_slots:  # two pools: the wide one's slots cost more (CacheSpec counts them the same way)
-        per_global_layer = model.kv_heads * compression.bytes_for_slots(model.head_dim, settings.capacity)
-    else:
-        per_global_layer = settings.capacity * per_global_slot
+
+    def global_layer(slots: int) -> float:
+        if compression.hi_slots:  # two pools: the wide one's slots cost more (CacheSpec counts them the same way)
+            return model.kv_heads * compression.bytes_for_slots(model.head_dim, slots)
+        return slots * per_global_slot
+
     per_ring_slot = model.kv_heads * (2 * model.head_dim * compute + 8)
     kv = sum(
-        min(settings.context, window + chunk) * per_ring_slot if window else per_global_layer for window in windows
+        min(settings.context, window + chunk) * per_ring_slot if window else global_layer(settings.capacity)
+        for window in windows
     )
+    # an `end` prompt longer than the capacity is read whole into a temporary state of the same storage (the
+    # runtime's begin_prompt), beside the slots, before its best slots are chosen: the peak of a long prompt
+    whole = settings.reads_prompts_whole
+    prompt_state = sum(global_layer(settings.context) for window in windows if not window) if whole else 0
     # one layer's transients during a prefill chunk (hidden states, MLP, attention scores) + the logits row
-    activation = compute * chunk * (8 * model.hidden + 3 * model.intermediate + model.heads * settings.capacity)
+    attended = settings.context if whole else settings.capacity
+    activation = compute * chunk * (8 * model.hidden + 3 * model.intermediate + model.heads * attended)
     activation += 4 * model.vocab * (chunk if target.static_shapes else 1)
-    return Estimate(model, target, settings, weights, kv, int(activation), concessions)
+    return Estimate(model, target, settings, weights, kv, int(activation), concessions, int(prompt_state), copies)
 
 
 def _concessions(target: Target, fixed: set[str]):
@@ -182,12 +255,16 @@ def _concessions(target: Target, fixed: set[str]):
         steps += [(f"weights {w}", {"weights": w}) for w in ("int8", "int4") if w in target.dtypes]
     if "prefill_chunk" not in fixed:
         steps += [(f"prefill chunk {c}", {"prefill_chunk": c}) for c in (256, 128)]
+    # fewer slots lower the peak only when long prompts are compressed as they are read: an `end` prompt is first
+    # read whole (Settings.reads_prompts_whole); where the mode is fixed at `end`, plan() finds they save nothing
+    chunk = {} if "prefill_compress" in fixed else {"prefill_compress": "chunk"}
+    per_chunk = " (prompts compressed per chunk)" if chunk else ""
     if "capacity" not in fixed:
-        steps += [(f"KV capacity {f:.0%}", {"capacity_fraction": f}) for f in (0.5, 0.25)]
+        steps += [(f"KV capacity {f:.0%}{per_chunk}", {"capacity_fraction": f, **chunk}) for f in (0.5, 0.25)]
     if "kv" not in fixed and "int4" in target.dtypes:
         steps.append(("KV cache int4", {"kv": "int4"}))
     if "capacity" not in fixed:
-        steps.append(("KV capacity 12%", {"capacity_fraction": 0.125}))
+        steps.append((f"KV capacity 12%{per_chunk}", {"capacity_fraction": 0.125, **chunk}))
     return steps
 
 
@@ -201,6 +278,8 @@ def plan(model: ModelShape, target: Target, settings: Settings, fixed: frozenset
         candidate = replace(current.settings, **change)
         if candidate == current.settings or _weaker(candidate, current.settings):
             continue  # nothing to concede, or it would go back to a larger setting
+        if estimate(model, target, candidate).total_bytes >= current.total_bytes:
+            continue  # it would cost quality and save nothing (fewer slots with `end` prompts: their peak grows)
         made.append(description)
         current = estimate(model, target, candidate, tuple(made))
     if current.fits:
@@ -215,6 +294,7 @@ def _weaker(candidate: Settings, current: Settings) -> bool:
         or order.index(candidate.kv) > order.index(current.kv)
         or candidate.capacity_fraction > current.capacity_fraction
         or candidate.prefill_chunk > current.prefill_chunk
+        or (candidate.prefill_compress == "end" and current.prefill_compress != "end")
     )
 
 
@@ -228,6 +308,11 @@ def _refusal(best: Estimate) -> str:
         else:
             high = middle - 1
     hint = f"try --context {low // 256 * 256 or low}" if low >= 256 else "choose a larger target or a smaller model"
+    if best.prompt_state_bytes and estimate(best.model, target, replace(settings, prefill_compress="chunk")).fits:
+        hint = (
+            f"an {settings.context}-token prompt read whole takes {best.prompt_state_bytes / GIB:.2f} GiB before its "
+            f"slots are chosen: try --prefill-compress chunk (prompts compressed as they are read), or {hint}"
+        )
     return (
         f"{best.model.name} needs {best.total_bytes / GIB:.2f} GiB even with {settings.describe()}; "
         f"{target.name} has {target.usable_bytes / GIB:.2f} GiB usable; {hint}"
@@ -252,6 +337,8 @@ def build_command(model: str, estimate: Estimate, memory: str | None = None) -> 
     if settings.capacity_fraction < 1 or settings.kv != target.defaults.get("kv", "fp32"):
         # anything but the target's plain cache is the compressed cache: its slot count and storage
         words += ["--kv-capacity", str(settings.capacity), "--kv-dtype", settings.kv]
+        if settings.prefill_compress != Compression.prefill_compress:
+            words += ["--prefill-compress", settings.prefill_compress]
     if settings.kv_mixed != "none":
         words += ["--kv-mixed", settings.kv_mixed]
     if memory is not None:

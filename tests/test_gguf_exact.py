@@ -32,16 +32,37 @@ def built(tmp_path_factory, mixed_gguf) -> dict[str, Path]:
     from edgec.build import BuildSettings, build
 
     root = tmp_path_factory.mktemp("bundles")
-    variants = {
-        "fp32": {},
-        "int4-l1": {"weights": "int4", "accuracy_level": 1},
-        "int4": {"weights": "int4"},  # int8 activations, split in two rows (the default for a GGUF's blocks)
-        "int4-one-row": {"weights": "int4", "split_activations": False},
-        "int4-kv": {"weights": "int4", "kv": Compression(capacity=40, sink=2, window=8, dtype="int8")},  # evicts
-    }
-    for name, extra in variants.items():
+    for name, extra in VARIANTS.items():
         build(mixed_gguf, root / name, BuildSettings(context=128, prefill_chunk=32, **extra))
-    return {name: root / name for name in variants}
+    return {name: root / name for name in VARIANTS}
+
+
+VARIANTS = {
+    "fp32": {},
+    "int4-l1": {"weights": "int4", "accuracy_level": 1},
+    "int4": {"weights": "int4"},  # int8 activations, split in two rows (the default for a GGUF's blocks)
+    "int4-one-row": {"weights": "int4", "split_activations": False},
+    "int4-kv": {"weights": "int4", "kv": Compression(capacity=40, sink=2, window=8, dtype="int8")},  # evicts
+}
+
+
+def test_the_memory_planner_counts_the_sessions_each_build_has(built, mixed_gguf):
+    """A GGUF's split products get a prompt-chunk graph — a second session with its own weights — and the build's
+    memory check counts it exactly where the bundle has one (edgec/plan.py)."""
+    from edgec.build import BuildSettings, memory_settings, plan_build, splits_activations
+    from edgec.load import inspect_source
+    from edgec.plan import count_weight_copies
+
+    source = inspect_source(mixed_gguf)
+    copies = {}
+    for name, extra in VARIANTS.items():
+        settings = BuildSettings(context=128, prefill_chunk=32, **extra)
+        plan = plan_build(settings, source["shape"], source["shape"].max_context, source["kind"])
+        kv_dtype = plan.kv.dtype if plan.kv else "fp32"
+        planned = memory_settings(plan, kv_dtype, splits_activations(plan, settings, source["kind"]))
+        copies[name] = count_weight_copies(plan.target, planned)
+        assert copies[name] == (2 if (built[name] / "prefill.onnx").exists() else 1), name
+    assert copies["int4"] == 2 and copies["int4-one-row"] == 1  # both kinds are in the matrix
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])

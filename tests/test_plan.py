@@ -201,3 +201,158 @@ def test_the_plan_sizes_a_compressed_cache_as_the_bundle_does(tiny_llama, tmp_pa
         Settings("fp32", kv_dtype, 128, capacity_fraction=32 / 128, kv_group=16),
     )
     assert planned.kv_bytes == 32 * cache["bytes_per_token"]
+
+
+# --- the peak of a long prompt, and the sessions' copies of the weights (issue 21, seventeenth round) ---
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_an_end_prompt_s_temporary_state_is_planned_as_the_runtime_allocates_it(
+    tiny_llama, tmp_path, monkeypatch, kv_dtype
+):
+    """A prompt longer than the capacity, read with `end`, first goes whole into a temporary state beside the
+    slots: the planner counts the bytes the runtime allocates for it (to a spare row the fp32 slots' kernel
+    writes into), and `chunk` prompts, which never hold more than the slots, none."""
+    from dataclasses import replace
+
+    from edgec.build import build
+    from edgec.runtime import Model, backend_ort
+    from tests.conftest import build_settings, pydoc_text
+
+    out = tmp_path / "kv.edgec"
+    kv = dict(kv_capacity=32, kv_dtype=kv_dtype, kv_window=8, kv_group=16)
+    build(tiny_llama, out, build_settings(target="cpu", context=128, prefill_chunk=16, **kv))
+    allocated = []
+    allocate = backend_ort._allocate
+
+    def recorded(spec, device, compressed_slots=None, temporary=False):
+        entries = allocate(spec, device, compressed_slots, temporary)
+        if temporary:
+            allocated.append(sum(value.numpy().nbytes for _, value in entries))
+        return entries
+
+    monkeypatch.setattr(backend_ort, "_allocate", recorded)
+    model = Model.load(out)
+    prompt = model.encode(pydoc_text()[:4000])[:127]
+    assert len(prompt) == 127
+    model.generate(prompt, max_new_tokens=1)
+    # the planner plans a prompt as long as the context: a 127-token context here
+    settings = Settings("fp32", kv_dtype, 127, capacity_fraction=32 / 127, kv_window=8, kv_group=16)
+    planned = estimate(model_shape(tiny_llama), load_target("cpu"), settings)
+    assert len(allocated) == 1
+    assert planned.prompt_state_bytes <= allocated[0] <= planned.prompt_state_bytes * 128 / 127 + 1
+    assert planned.total_bytes == (
+        planned.weights_bytes + planned.kv_bytes + planned.prompt_state_bytes + planned.activation_bytes
+    )
+    chunked = estimate(model_shape(tiny_llama), load_target("cpu"), replace(settings, prefill_compress="chunk"))
+    assert chunked.prompt_state_bytes == 0 and chunked.total_bytes < planned.total_bytes
+    whole = estimate(model_shape(tiny_llama), load_target("cpu"), replace(settings, capacity_fraction=1.0))
+    assert whole.prompt_state_bytes == 0  # every token has a slot: nothing to read whole first
+
+
+def test_fewer_slots_with_end_prompts_never_lower_the_peak():
+    """With `end` prompts, a compressed cache's peak (the whole prompt, then the slots) is above the full
+    cache's in the same storage: the planner concedes fewer slots only with prompts compressed per chunk, and
+    where `end` is fixed it makes no capacity concession at all and refuses with the numbers."""
+    target = load_target("rtx3060-laptop")
+    shape = model_shape("llama-2-7b")
+    requested = Settings(weights="int4", kv="fp16", context=16384)
+    conceded = plan(shape, target, requested)
+    assert conceded.settings.capacity_fraction < 1 and conceded.settings.prefill_compress == "chunk"
+    assert any("prompts compressed per chunk" in made for made in conceded.concessions)
+    for fraction in (0.5, 0.25, 0.125):
+        smaller = estimate(shape, target, Settings("int4", "int4", 16384, capacity_fraction=fraction))
+        full = estimate(shape, target, Settings("int4", "int4", 16384))
+        assert smaller.total_bytes > full.total_bytes and smaller.prompt_state_bytes == full.kv_bytes
+    with pytest.raises(PlanError, match=r"try --context \d+") as refused:
+        plan(shape, target, requested, fixed=frozenset({"prefill_compress"}))
+    assert "capacity full" in str(refused.value)  # no slots were given up for nothing
+
+
+def test_a_refusal_names_chunk_prompts_when_they_would_fit():
+    everything = frozenset({"weights", "kv", "prefill_chunk", "capacity", "prefill_compress"})
+    settings = Settings("int4", "int4", 16384, capacity_fraction=0.25, prefill_chunk=128)
+    with pytest.raises(PlanError, match=r"prompt read whole takes \d+\.\d+ GiB .* try --prefill-compress chunk"):
+        plan(model_shape("llama-2-7b"), load_target("rtx3060-laptop"), settings, fixed=everything)
+
+
+def test_cli_plan_takes_the_prompt_mode_and_its_build_line_carries_it():
+    runner = CliRunner()
+    chunked = runner.invoke(main, ["plan", "llama-2-7b", "--target", "rtx3060-laptop", "--context", "16384"])
+    assert chunked.exit_code == 0 and "--prefill-compress chunk" in chunked.output.splitlines()[-1]
+    whole = runner.invoke(
+        main, ["plan", "llama-2-7b", "--target", "rtx3060-laptop", "--context", "16384", "--prefill-compress", "end"]
+    )
+    assert whole.exit_code == 2 and "GiB usable" in whole.stderr and "Traceback" not in whole.output
+    small = runner.invoke(main, ["plan", "smollm2-135m", "--target", "cpu", "--context", "8192", "--kv", "int8"])
+    assert small.exit_code == 0 and "prompt state" not in small.output  # every token has a slot
+
+
+@pytest.mark.parametrize(
+    ("target", "weights", "kv", "fraction", "split", "copies"),
+    [
+        ("cpu", "fp32", "fp32", 1.0, True, 1),  # one graph
+        ("cpu", "int4", "fp32", 1.0, True, 2),  # split products: prefill.onnx at fp32 activations
+        ("cpu", "int4", "fp32", 1.0, False, 1),  # one row of int8 activations: one graph
+        ("cpu", "fp32", "fp32", 0.25, False, 2),  # fp32 slots read in place: a prompt-chunk graph
+        ("cpu", "fp32", "int8", 0.25, False, 1),
+        ("cpu-portable", "fp32", "fp32", 0.25, False, 1),  # no GroupQueryAttention
+        ("rtx3060", "int4", "fp16", 0.25, True, 1),  # an engine
+        ("ascend-910b", "fp16", "fp16", 1.0, False, 2),  # two static graphs
+    ],
+)
+def test_weights_are_counted_once_per_session_that_holds_them(target, weights, kv, fraction, split, copies):
+    chosen = load_target(target)
+    settings = Settings(weights, kv, 4096, capacity_fraction=fraction, split_activations=split)
+    one = estimate(model_shape("llama-2-7b"), chosen, settings)
+    assert one.weight_copies == copies
+    alone = estimate(
+        model_shape("llama-2-7b"), chosen, Settings(weights, kv, 4096, capacity_fraction=fraction, prompt_graph=False)
+    )
+    assert one.weights_bytes == alone.weights_bytes * (copies if not chosen.static_shapes else 1)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"weights": "int4"},  # from a folder: one row of int8 activations, no prompt graph
+        {"weights": "int4", "split_activations": True},
+        {"kv_capacity": 32, "kv_dtype": "fp32", "kv_window": 8},
+        {"kv_capacity": 32, "kv_dtype": "int8", "kv_window": 8, "kv_group": 16},
+    ],
+)
+def test_the_build_plans_the_sessions_it_writes(tiny_llama, tmp_path, extra):
+    """The planner's weight copies at build time follow the graphs the build writes (prefill.onnx or not)."""
+    from edgec.build import build, memory_settings, plan_build, splits_activations
+    from edgec.plan import count_weight_copies
+    from tests.conftest import build_settings
+
+    settings = build_settings(target="cpu", context=128, prefill_chunk=16, **extra)
+    shape = model_shape(tiny_llama)
+    built = plan_build(settings, shape, shape.max_context, "folder")
+    kv_dtype = built.kv.dtype if built.kv else "fp32"
+    planned = memory_settings(built, kv_dtype, splits_activations(built, settings, "folder"))
+    out = tmp_path / "b.edgec"
+    build(tiny_llama, out, settings)
+    assert count_weight_copies(built.target, planned) == (2 if (out / "prefill.onnx").exists() else 1)
+
+
+def test_a_build_whose_end_prompts_cannot_fit_refuses_and_names_chunk_prompts(tmp_path):
+    """A 7B config (no real weights) with a quarter of int4 slots on a 5.5 GiB laptop: the slots fit, a 4K prompt
+    read whole first does not — refused before any work, naming the prompt mode that fits."""
+    folder = tmp_path / "seven"
+    folder.mkdir()
+    config = json.loads((resources.files("edgec.configs") / "llama-2-7b.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config))
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0\0\0\0")
+    out = tmp_path / "b.edgec"
+    words = ["build", str(folder), "-o", str(out), "--target", "rtx3060-laptop", "--context", "4096"]
+    words += ["--weights", "int4", "--kv-capacity", "1024", "--kv-dtype", "int4", "--prefill-chunk", "128"]
+    # 4.18 GiB usable: the weights and slots take 3.82 GiB, a 4096-token prompt read whole 0.67 GiB more
+    result = CliRunner().invoke(main, [*words, "--memory", "5.5GiB"])
+    assert result.exit_code == 2 and "try --prefill-compress chunk" in result.stderr, result.output
+    assert "Traceback" not in result.output and not out.exists()
+    chunked = CliRunner().invoke(main, [*words, "--memory", "5.5GiB", "--prefill-compress", "chunk"])
+    assert "GiB usable" not in chunked.stderr  # past the plan (this folder has no tokenizer to build with)
