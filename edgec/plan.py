@@ -204,6 +204,10 @@ def estimate(model: ModelShape, target: Target, settings: Settings, concessions:
     # Runtime bundle with a prompt-chunk graph also has two sessions
     copies = count_weight_copies(target, settings)
     weights = int(model.parameters() * WEIGHT_BYTES[settings.weights]) * copies
+    if copies == 1 and model.tied and target.runtime == "ort-cpu" and settings.weights in ("fp32", "fp16", "bf16"):
+        # a tied float table twice: the embedding's Gather reads it as stored, the lm_head's product packs a copy
+        # of its own (Gemma-3-270m: 0.625 GiB; two sessions already count every weight twice)
+        weights += int(model.vocab * model.hidden * WEIGHT_BYTES[settings.weights])
     compressed = settings.compressed
     compute = 2 if target.device != "cpu" else 4  # GPUs and NPUs compute in fp16, CPUs in fp32
     chunk = settings.prefill_chunk
