@@ -336,11 +336,15 @@ def _build_into(model_path: Path, folder: Path, settings: BuildSettings, plan: P
     if target.static_shapes:
         model_files |= _write_static_graphs(folder, prefill_chunk)
     elif target.abilities.engine != "tensorrt-rtx":  # ONNX Runtime: prompt chunks at fp32 activations
+        from edgec.logits_rows import takes_no_rows
         from edgec.prefill_graph import write_prefill_graph
 
         native_decode = plan.kv is not None and plan.kv.decode_kernel == "gqa"
         cache = spec if plan.kv is not None else None
         model_files |= write_prefill_graph(folder, spec if native_decode else None, plan.context, cache)
+        # the graph multi-token steps run on: a prompt's chunks before its last then compute no logits
+        if takes_no_rows(ir.load(folder / model_files.get("prefill_file", "model.onnx"))):
+            model_files["no_logits_rows"] = True
     loaded.tokenizer.save_pretrained(folder)
     chat_format, chat_note = chat_format_from_tokenizer(loaded.tokenizer)
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")

@@ -46,7 +46,9 @@ def transposed_weight_gemm(model: ir.Model) -> int:
         gemm = tape.op("Gemm", [flat, weight], attributes={"transB": 1})
         out_cols = tape.op("Constant", [], attributes={"value": ir.tensor([weight.shape[0]], dtype=ir.DataType.INT64)})
         out_shape = tape.op("Concat", [in_shape, out_cols], attributes={"axis": 0})
-        result = tape.op("Reshape", [gemm, out_shape])
+        # allowzero: the shape is the input's own, so a 0 in it is a real 0 (no logits rows asked for), not "copy
+        # the input's dimension" — which would turn [0, N] into [.., N, N] and fail
+        result = tape.op("Reshape", [gemm, out_shape], attributes={"allowzero": 1})
         graph.insert_before(node, tape.nodes)
         take_over(node.outputs[0], result)
         graph.remove(node, safe=True)

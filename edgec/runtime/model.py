@@ -350,6 +350,9 @@ class Model:
         start = 0
         for start, end in self._chunks(len(ids), getattr(state, "compression", None)):
             chunk_flags = None if flags is None else flags[start:end]
+            if not all_logits and reduce is None and end < len(ids) and hasattr(state, "feed"):
+                state.feed(ids[start:end], start, protect=chunk_flags)  # logits nobody reads: none computed
+                continue
             logits = state.run(ids[start:end], start, last_only=not all_logits, protect=chunk_flags)
             if reduce is not None:
                 pieces.append(reduce(start, logits))
