@@ -1,7 +1,7 @@
 """Time to first token of several bundles in ONE process, prompt by prompt in alternation, each prompt's steps
 timed: the tightest pairing this shared box allows for "what does the compressed prompt cost over the plain one".
 
-    python benchmarks/prefill_alternating.py [BUNDLE ...] [--prompt 8000] [--threads 2] [--rounds 3]
+    python benchmarks/prefill_alternating.py [BUNDLE ...] [--prompt 8000] [--threads 2] [--rounds 3] [--one-row]
 
 Default bundles: kv_speed.py's plain int4 one and its compressed one (1024 int8 slots, ``end``), built if missing.
 Every bundle is loaded once (threads as given, spinning by the calibration as `edgec run` loads), warmed with one
@@ -13,7 +13,9 @@ between the two prefills it pairs; here they are back to back.
 Prints per bundle the median of: the whole prompt, its first step, the steps between (the appending chunks of an
 ``end`` prompt), its last step (the one that observes) and the selection; then each bundle's per-round ratio to the
 first bundle, pooled (geometric mean, ~95 % interval: ``pool_rounds.pool``, verdict against ``--bound``).
-Results: benchmarks/out/prefill_alternating.json.
+``--one-row`` also reads every prompt the way a bundle without ``model.no_logits_rows`` does (a logits row for each
+chunk): what skipping the lm_head for the chunks before the last buys. Results:
+benchmarks/out/prefill_alternating.json.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class TimedState:
         self.steps.append(time.perf_counter() - started)
         return result
 
+    def feed(self, *args, **kwargs) -> None:  # a chunk before the last, whose logits nobody reads
+        started = time.perf_counter()
+        self.state.feed(*args, **kwargs)
+        self.steps.append(time.perf_counter() - started)
+
     def end_prompt(self, *args, **kwargs) -> None:
         started = time.perf_counter()
         self.state.end_prompt(*args, **kwargs)
@@ -73,12 +80,22 @@ def read_prompt(model, ids: np.ndarray) -> dict[str, float]:
 
 
 def measure(
-    bundles: list[Path], ids: np.ndarray, threads: int, rounds: int, calibrate: bool = True
+    bundles: list[Path], ids: np.ndarray, threads: int, rounds: int, calibrate: bool = True, one_row: bool = False
 ) -> dict[str, list[dict[str, float]]]:
-    """Every bundle's phases per round (``calibrate``: spinning as this machine's stored measurement says)."""
+    """Every bundle's phases per round (``calibrate``: spinning as this machine's stored measurement says).
+    ``one_row``: each bundle also loaded a second time computing a logits row for every prompt chunk, as bundles
+    without ``model.no_logits_rows`` do (first, so the ratios are against the first bundle's one-row reading)."""
     from edgec.runtime import Model
 
-    loaded = {bundle.name: Model.load(bundle, threads=threads, calibrate=calibrate) for bundle in bundles}
+    loaded = {}
+    for bundle in bundles:
+        if one_row:
+            model = Model.load(bundle, threads=threads, calibrate=calibrate)
+            if not model._backend.no_logits_rows:
+                sys.exit(f"{bundle.name} computes a logits row for every chunk already (rebuild it to compare)")
+            model._backend.no_logits_rows = False
+            loaded[f"{bundle.name}, a logits row per chunk"] = model
+        loaded[bundle.name] = Model.load(bundle, threads=threads, calibrate=calibrate)
     for model in loaded.values():  # warm-up: the first prompt of a session pays its one-time costs
         read_prompt(model, ids[: min(len(ids), 600)])
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in loaded}
@@ -120,14 +137,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bound", type=float, default=1.10, help="the ratio each bundle should stay within")
     parser.add_argument("--out", type=Path, default=models.OUT / "prefill_alternating.json")
+    parser.add_argument(
+        "--one-row",
+        action="store_true",
+        help="also read each prompt computing a logits row for every chunk (no model.no_logits_rows): one bundle "
+        "then compares against itself",
+    )
     args = parser.parse_args(argv)
     bundles = args.bundles or default_bundles()
-    if len(bundles) < 2:
-        sys.exit("give two or more bundles (ratios are against the first)")
+    if len(bundles) < (1 if args.one_row else 2):
+        sys.exit("give two or more bundles (ratios are against the first), or one with --one-row")
     if missing := [str(b) for b in bundles if not (b / "manifest.json").is_file()]:
         sys.exit(f"not a bundle: {missing[0]}")
     ids = np.asarray(kv_speed.prompt_ids(args.prompt, bundles[0]), np.int64)
-    samples = measure(bundles, ids, args.threads, args.rounds)
+    samples = measure(bundles, ids, args.threads, args.rounds, one_row=args.one_row)
     result = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
         "date": date.today().isoformat(),

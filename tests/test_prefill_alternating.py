@@ -48,3 +48,14 @@ def test_bad_arguments_are_one_line(args, message, tmp_path):
             [str(tmp_path / name) if name != "only-one" else name for name in args]
             + ["--out", str(tmp_path / "x.json")]
         )
+
+
+def test_one_row_reads_each_bundle_also_as_before(tiny_bundle):
+    """``--one-row``: the same bundle a second time with a logits row for every chunk, first (ratios against it);
+    the chunks before the last are timed whichever way they are fed."""
+    script = benchmark_script("prefill_alternating")
+    ids = np.asarray(Model.load(tiny_bundle).encode(pydoc_text()[:3000])[:70], np.int64)
+    samples = script.measure([tiny_bundle], ids, threads=1, rounds=2, calibrate=False, one_row=True)
+    assert list(samples) == [f"{tiny_bundle.name}, a logits row per chunk", tiny_bundle.name]
+    assert all(sample["middle steps"] > 0 for runs in samples.values() for sample in runs)
+    assert list(script.summary(samples, 1.10, 1)["pooled"]) == [tiny_bundle.name]
