@@ -86,7 +86,7 @@ class Settings:
     kv_window: int = Compression.window
     # how a prompt longer than the capacity is read (--prefill-compress): end = whole into a temporary state first
     prefill_compress: str = Compression.prefill_compress
-    # whether int4/int8 products split their activations (the default for a GGUF's own blocks), which gives the
+    # whether int4 products split their activations (the default for a GGUF's own blocks), which gives the
     # bundle a prompt-chunk graph (prefill.onnx) in a session of its own
     split_activations: bool = True
     # whether the bundle has that graph, as the build knows it; None: from the settings (``default_prompt_graph``)
@@ -180,12 +180,13 @@ def _mixed_text(settings: Settings) -> str:
 
 def default_prompt_graph(target: Target, settings: Settings) -> bool:
     """Whether a bundle of these settings has a prompt-chunk graph beside its step graph (``prefill_graph``): on
-    ONNX Runtime targets (not static, no engine) when its int4/int8 products split their activations or its
-    compressed layers keep fp32 slots that GroupQueryAttention reads in place."""
+    ONNX Runtime targets (not static, no engine) when its int4 products split their activations (by default only
+    a GGUF's own blocks do; int8 ones only when asked, which the build's own plan knows) or its compressed layers
+    keep fp32 slots that GroupQueryAttention reads in place."""
     if target.static_shapes or target.abilities.engine:
         return False
     fp32_slots = settings.compressed and settings.kv == "fp32" and target.abilities.attention == "gqa"
-    return fp32_slots or (settings.split_activations and settings.weights in ("int4", "int8"))
+    return fp32_slots or (settings.split_activations and settings.weights == "int4")
 
 
 def count_weight_copies(target: Target, settings: Settings) -> int:
