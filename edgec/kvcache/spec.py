@@ -291,6 +291,11 @@ class CacheSpec:
         """Bytes of the whole cache state at full capacity."""
         return int(sum(self._layer_bytes(layer, layer.capacity) for layer in self.layers))
 
+    def compressed_bytes(self) -> int:
+        """Bytes of the compressed layers' state at their capacity (``with_capacity(n)``: an `end` prompt's
+        temporary state for n tokens)."""
+        return int(sum(self._layer_bytes(layer, layer.capacity) for layer in self.layers if layer.compressed))
+
     # --- the manifest --------------------------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {

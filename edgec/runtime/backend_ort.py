@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnxruntime as ort
 
-from edgec.errors import BundleError
+from edgec.errors import BundleError, GenerationError
 from edgec.kvcache.reference import select_slots
 from edgec.kvcache.spec import OBSERVE_INPUT, POSITIONS, PROTECT_INPUT, CacheSpec, StateTensor, present_name
 from edgec.runtime import shared_weights
@@ -173,6 +173,33 @@ def _allocate(
         (tensor, ort.OrtValue.ortvalue_from_numpy(_own_mapping(array) if own else array, device.kind, device.index))
         for tensor, array in spec.empty_state(compressed_slots)
     ]
+
+
+def available_memory() -> int | None:
+    """Bytes the system can give without swapping (/proc/meminfo's MemAvailable); None where it cannot say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_room(spec: CacheSpec, length: int) -> None:
+    """An `end` prompt of ``length`` tokens is read whole into a temporary state of the compressed layers (its
+    pages are touched as the prompt goes): refuse at once, in one line, when the machine has not that much
+    available — reading on would end minutes later with the process killed, or in swap."""
+    needed = spec.with_capacity(length).compressed_bytes()
+    free = available_memory()
+    if free is not None and needed > free:
+        gib = 2**30
+        raise GenerationError(
+            f"a {length}-token prompt is read whole before its slots are chosen (prefill_compress end): its "
+            f"{needed / gib:.2f} GiB temporary state is more than the {free / gib:.2f} GiB this machine has "
+            "available; load with prefill_compress='chunk' (edgec run --prefill-compress chunk), fewer tokens, or "
+            "free memory"
+        )
 
 
 def _own_mapping(array: np.ndarray) -> np.ndarray:
@@ -341,8 +368,11 @@ class OrtCacheState:
         """Before a prompt of ``length`` tokens: with ``prefill_compress = end`` and a prompt longer than the
         compressed capacity, read it into a temporary state large enough to hold it whole."""
         compression = self.compression
+        whole = compression and compression.prefill_compress == "end" and length > compression.capacity
+        if whole and self.graph.device.kind == "cpu":
+            _check_room(self.spec, length)  # before any of it is written: one line, not the kernel's OOM killer
         self._observation.begin(compression, length)
-        if compression and compression.prefill_compress == "end" and length > compression.capacity:
+        if whole:
             # only the compressed layers get larger buffers; the others (sliding-window rings) keep their own
             larger = {entry[0]: entry for entry in _allocate(self.spec, self.graph.device, length, temporary=True)}
             compressed = {layer.layer for layer in self.spec.layers if layer.compressed}

@@ -68,3 +68,34 @@ def test_an_own_mapping_holds_the_arrays_values_and_is_writable(fill):
 def test_an_empty_array_needs_no_mapping():
     array = np.zeros((1, 3, 0), np.float32)
     assert backend_ort._own_mapping(array) is array
+
+
+def test_an_end_prompt_without_room_for_its_state_is_refused_at_once(fp32_slots, monkeypatch, tmp_path):
+    """An `end` prompt's temporary state (its tokens' k/v for the compressed layers) is checked against the memory
+    the machine has available before any of it is written: one clear line instead of the kernel's OOM killer
+    minutes later. Prompts that fit the slots, and `chunk` prompts, need no such state."""
+    from click.testing import CliRunner
+
+    from edgec.cli import main
+    from edgec.errors import GenerationError
+
+    model = Model.load(fp32_slots)
+    ids = model.encode(pydoc_text()[:3000])[:100]
+    needed = model.cache_spec.with_capacity(100).compressed_bytes()
+    monkeypatch.setattr(backend_ort, "available_memory", lambda: needed - 1)
+    with pytest.raises(GenerationError, match=r"100-token prompt is read whole .* prefill_compress='chunk'"):
+        model.generate(ids, max_new_tokens=1)
+    assert model.generate(ids[:30], max_new_tokens=1)  # fits the 40 slots: no temporary state
+    assert Model.load(fp32_slots, prefill_compress="chunk").generate(ids, max_new_tokens=1)
+    monkeypatch.setattr(backend_ort, "available_memory", lambda: needed)
+    assert model.generate(ids, max_new_tokens=1)  # exactly enough
+    monkeypatch.setattr(backend_ort, "available_memory", lambda: None)  # no /proc/meminfo: not checked
+    assert model.generate(ids, max_new_tokens=1)
+    monkeypatch.setattr(backend_ort, "available_memory", lambda: 1)
+    result = CliRunner().invoke(main, ["run", str(fp32_slots), "--max-new-tokens", "1", model.decode(ids)])
+    assert result.exit_code != 0 and "read whole" in result.output and "Traceback" not in result.output
+
+
+def test_available_memory_reads_meminfo():
+    free = backend_ort.available_memory()
+    assert free is None or 0 < free < 2**50
