@@ -598,6 +598,9 @@ class Model:
                 size = min(size, self.cache_spec.compression.capacity)
             for start in range(len(saved.ids), len(ids), size):
                 chunk_flags = None if flags is None else flags[start : start + size]
+                if start + size < len(ids) and hasattr(state, "feed"):  # not the last chunk: no logits needed
+                    state.feed(ids[start : start + size], start, protect=chunk_flags)
+                    continue
                 logits = state.run(ids[start : start + size], start, last_only=True, protect=chunk_flags)[-1]
         if keys is not None and (saved is None or len(saved.ids) < len(ids)):
             logits = logits.astype(np.float32)  # a copy: a one-token step's logits are a reused buffer

@@ -48,15 +48,26 @@ def test_restored_state_answers_as_the_prompt_read_again(compressed_bundle, ids,
         reader.generate_ids(ids[1:91], saved=saved)
 
 
-def test_a_longer_prompt_reads_only_its_rest(tiny_bundle, ids, tmp_path):
+def test_a_longer_prompt_reads_only_its_rest(tiny_bundle, ids, tmp_path, monkeypatch):
     """Plain cache: document saved, document + question restored then 20 more tokens read = read whole (float
-    rounding: the chunks fall elsewhere)."""
+    rounding: the chunks fall elsewhere); the rest's chunks before its last ask for no logits."""
+    from edgec.runtime import backend_ort
+
+    fed = []
+    feed = backend_ort.OrtCacheState.feed
+    monkeypatch.setattr(
+        backend_ort.OrtCacheState,
+        "feed",
+        lambda self, chunk, *args, **kw: fed.append(len(chunk)) or feed(self, chunk, *args, **kw),
+    )
     model = Model.load(tiny_bundle)
     model.save_state(tmp_path / "doc.edgeckv", ids[:80])
     saved = model.load_state(tmp_path / "doc.edgeckv")
     whole = model.next_token_logits(ids[:100])
     with model._state() as state:
+        fed.clear()
         restored = model._read_prompt(state, np.asarray(ids[:100]), None, saved, None)
+    assert fed == [16]  # 80–96 fed without logits, 96–100 run for them
     np.testing.assert_allclose(restored, whole, atol=2e-4)
     assert restored.argmax() == whole.argmax()
 
