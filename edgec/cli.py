@@ -972,6 +972,20 @@ def calibrate(bundle, steps, max_threads, dry_run) -> None:
         )
 
 
+def _end_prompt_bytes(cache: dict, context: int) -> int | None:
+    """The temporary state an `end` prompt as long as the context is read into (the runtime's begin_prompt), or
+    None where prompts never need one (``chunk``, or as many slots as the context) or the record cannot say."""
+    from edgec.kvcache.spec import CacheSpec
+
+    compression = cache.get("compression") or {}
+    if compression.get("prefill_compress") != "end" or not compression.get("capacity", 0) < context:
+        return None
+    try:
+        return CacheSpec.from_json(cache).with_capacity(context).compressed_bytes()
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 def inspect(bundle) -> None:
@@ -1044,6 +1058,11 @@ def inspect(bundle) -> None:
             f"sink {compression['sink']}, window {compression['window']}, prefill-compress "
             f"{compression['prefill_compress']}; k+v {cache.get('kv_bytes_per_token', 0):,.0f} bytes/token"
         )
+        if (whole := _end_prompt_bytes(cache, manifest["model"]["context"])) is not None:
+            say(
+                f"  a prompt of {manifest['model']['context']} tokens is read whole first (prefill-compress end): "
+                f"{whole / 2**20:,.1f} MiB of temporary state beside the slots at its peak"
+            )
         if compression.get("mixed", "none") != "none":
             wide = compression["sink"] + compression["window"]
             say(

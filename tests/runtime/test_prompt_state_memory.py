@@ -99,3 +99,27 @@ def test_an_end_prompt_without_room_for_its_state_is_refused_at_once(fp32_slots,
 def test_available_memory_reads_meminfo():
     free = backend_ort.available_memory()
     assert free is None or 0 < free < 2**50
+
+
+def test_inspect_shows_an_end_prompt_s_peak(fp32_slots):
+    """`edgec inspect` says what a prompt as long as the context holds while it is read (the runtime's own sizes);
+    nothing for `chunk` prompts, a cache with a slot per token, or a record it cannot read."""
+    import json
+
+    from click.testing import CliRunner
+
+    from edgec.cli import _end_prompt_bytes, main
+
+    result = CliRunner().invoke(main, ["inspect", str(fp32_slots)])
+    needed = Model.load(fp32_slots).cache_spec.with_capacity(128).compressed_bytes()
+    assert result.exit_code == 0
+    assert (
+        f"a prompt of 128 tokens is read whole first (prefill-compress end): {needed / 2**20:,.1f} MiB" in result.output
+    )
+    cache = json.loads((fp32_slots / "manifest.json").read_text())["cache"]
+    assert _end_prompt_bytes(cache, 128) == needed
+    assert (
+        _end_prompt_bytes({**cache, "compression": {**cache["compression"], "prefill_compress": "chunk"}}, 128) is None
+    )
+    assert _end_prompt_bytes(cache, 40) is None  # a slot for every token
+    assert _end_prompt_bytes({**cache, "layers": [{"layer": "x"}]}, 128) is None
