@@ -977,11 +977,8 @@ def _end_prompt_bytes(cache: dict, context: int) -> int | None:
     None where prompts never need one (``chunk``, or as many slots as the context) or the record cannot say."""
     from edgec.kvcache.spec import CacheSpec
 
-    compression = cache.get("compression") or {}
-    if compression.get("prefill_compress") != "end" or not compression.get("capacity", 0) < context:
-        return None
     try:
-        return CacheSpec.from_json(cache).with_capacity(context).compressed_bytes()
+        return CacheSpec.from_json(cache).end_prompt_bytes(context) or None
     except (KeyError, TypeError, ValueError):
         return None
 

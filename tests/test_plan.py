@@ -122,14 +122,20 @@ def test_impossible_plans_refuse_with_numbers(tmp_path):
         )
 
 
-def test_build_refuses_before_any_work(tmp_path):
-    """A 7B config (no real weights) for the cpu target: the planner refuses at once, nothing at -o."""
+def seven_b_folder(tmp_path):
+    """Llama-2-7B's config beside a one-number safetensors file: a folder the planner reads, with no weights."""
     folder = tmp_path / "seven"
     folder.mkdir()
     config = json.loads((resources.files("edgec.configs") / "llama-2-7b.json").read_text())
     (folder / "config.json").write_text(json.dumps(config))
     header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
     (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0\0\0\0")
+    return folder
+
+
+def test_build_refuses_before_any_work(tmp_path):
+    """A 7B config (no real weights) for the cpu target: the planner refuses at once, nothing at -o."""
+    folder = seven_b_folder(tmp_path)
     out = tmp_path / "b.edgec"
     start = time.perf_counter()
     result = CliRunner().invoke(main, ["build", str(folder), "-o", str(out), "--context", "4096"])
@@ -341,12 +347,7 @@ def test_the_build_plans_the_sessions_it_writes(tiny_llama, tmp_path, extra):
 def test_a_build_whose_end_prompts_cannot_fit_refuses_and_names_chunk_prompts(tmp_path):
     """A 7B config (no real weights) with a quarter of int4 slots on a 5.5 GiB laptop: the slots fit, a 4K prompt
     read whole first does not — refused before any work, naming the prompt mode that fits."""
-    folder = tmp_path / "seven"
-    folder.mkdir()
-    config = json.loads((resources.files("edgec.configs") / "llama-2-7b.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config))
-    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
-    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0\0\0\0")
+    folder = seven_b_folder(tmp_path)
     out = tmp_path / "b.edgec"
     words = ["build", str(folder), "-o", str(out), "--target", "rtx3060-laptop", "--context", "4096"]
     words += ["--weights", "int4", "--kv-capacity", "1024", "--kv-dtype", "int4", "--prefill-chunk", "128"]

@@ -291,6 +291,14 @@ class CacheSpec:
         """Bytes of the whole cache state at full capacity."""
         return int(sum(self._layer_bytes(layer, layer.capacity) for layer in self.layers))
 
+    def end_prompt_bytes(self, length: int) -> int:
+        """Bytes of the temporary state an `end` prompt of ``length`` tokens is read into (the compressed layers at
+        its length, beside the slots: the runtime's ``begin_prompt``); 0 where none is needed."""
+        compression = self.compression
+        if compression is None or compression.prefill_compress != "end" or length <= compression.capacity:
+            return 0
+        return self.with_capacity(length).compressed_bytes()
+
     def compressed_bytes(self) -> int:
         """Bytes of the compressed layers' state at their capacity (``with_capacity(n)``: an `end` prompt's
         temporary state for n tokens)."""

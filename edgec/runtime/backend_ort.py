@@ -190,7 +190,7 @@ def _check_room(spec: CacheSpec, length: int) -> None:
     """An `end` prompt of ``length`` tokens is read whole into a temporary state of the compressed layers (its
     pages are touched as the prompt goes): refuse at once, in one line, when the machine has not that much
     available — reading on would end minutes later with the process killed, or in swap."""
-    needed = spec.with_capacity(length).compressed_bytes()
+    needed = spec.end_prompt_bytes(length)
     free = available_memory()
     if free is not None and needed > free:
         gib = 2**30
