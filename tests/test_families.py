@@ -80,43 +80,9 @@ def test_unsupported_families_are_named(model_type, kind):
     assert "gemma3_text, llama, mistral, phi3, qwen2" in str(error.value)
 
 
-GEMMA3_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-
-
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory, tiny_tokenizer):
-    """Gemma 3 in miniature: QK-norm, one KV head, head dim 32 (≠ hidden/heads), sliding window 16 next to a global
-    layer, RoPE per layer type (local 10k; global 1M with linear scaling 8, as the 1B+ models have it),
-    query_pre_attn_scalar ≠ head dim, scaled and tied embeddings, and final logit soft-capping switched on."""
-    import transformers as t
-
-    config = t.Gemma3TextConfig(
-        vocab_size=len(tiny_tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=len(GEMMA3_LAYERS),
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=256,
-        sliding_window=16,
-        layer_types=GEMMA3_LAYERS,
-        query_pre_attn_scalar=24,
-        final_logit_softcapping=3.0,
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
-        },
-    )
-    torch.manual_seed(0)
-    model = t.Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0, 0.15)
-    folder = tmp_path_factory.mktemp("gemma3") / "model"
-    model.save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder, model
+def gemma3(tiny_gemma3):
+    return tiny_gemma3
 
 
 # the cpu-portable body in the slow tier: the default tier's budget (the cpu target is the one users get)

@@ -231,8 +231,8 @@ def test_an_end_prompt_s_temporary_state_is_planned_as_the_runtime_allocates_it(
     allocated = []
     allocate = backend_ort._allocate
 
-    def recorded(spec, device, compressed_slots=None, temporary=False):
-        entries = allocate(spec, device, compressed_slots, temporary)
+    def recorded(spec, device, compressed_slots=None, temporary=False, compressed_only=False):
+        entries = allocate(spec, device, compressed_slots, temporary, compressed_only)
         if temporary:
             allocated.append(sum(value.numpy().nbytes for _, value in entries))
         return entries

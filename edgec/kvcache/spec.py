@@ -182,10 +182,15 @@ class CacheSpec:
                 arrays |= _pool(layer, hi, compression.mixed, compression.group, "_hi")
         return {name: arrays[name] for name in layer.state}
 
-    def empty_state(self, compressed_slots: int | None = None) -> list[tuple[StateTensor, np.ndarray]]:
-        """Fresh arrays for every state tensor, in graph order (compressed layers with ``compressed_slots``)."""
+    def empty_state(
+        self, compressed_slots: int | None = None, compressed_only: bool = False
+    ) -> list[tuple[StateTensor, np.ndarray]]:
+        """Fresh arrays for every state tensor, in graph order (compressed layers with ``compressed_slots``;
+        ``compressed_only``: theirs alone — an `end` prompt's temporary state, ``end_prompt_bytes``)."""
         entries = []
         for layer in self.layers:
+            if compressed_only and not layer.compressed:
+                continue
             arrays = self.empty_layer(layer, compressed_slots if layer.compressed else None)
             entries += [(StateTensor(layer.layer, name), array) for name, array in arrays.items()]
         return entries
@@ -239,7 +244,16 @@ class CacheSpec:
         first)."""
         if self._mixed(layer):
             return layer.num_kv_heads * self.compression.bytes_for_slots(layer.head_dim, slots)
-        return layer.num_kv_heads * slots * self._slot_bytes(layer)
+        return layer.num_kv_heads * slots * self._slot_bytes(layer) + self._spare_bytes(layer)
+
+    def _spare_bytes(self, layer: LayerCache) -> int:
+        """The k and v rows a compressed layer's buffers carry beyond its slots (``Compression.spare_rows``)."""
+        compression = self.compression
+        if not layer.compressed or not compression.spare_rows:
+            return 0
+        row = layer.head_dim // 2 if compression.dtype == "int4" else layer.head_dim
+        itemsize = np.dtype(STORAGE_NUMPY[compression.dtype]).itemsize
+        return layer.num_kv_heads * compression.spare_rows * 2 * row * itemsize
 
     def _slot_bytes(self, layer: LayerCache) -> float:
         """Bytes one cached token costs in one KV head of ``layer``: a mixed cache's mean over its capacity."""

@@ -35,11 +35,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnxruntime as ort
 
-from edgec.errors import BundleError, GenerationError
+from edgec.errors import BundleError
 from edgec.kvcache.reference import select_slots
 from edgec.kvcache.spec import OBSERVE_INPUT, POSITIONS, PROTECT_INPUT, CacheSpec, StateTensor, present_name
 from edgec.runtime import shared_weights
 from edgec.runtime.observe import PromptObservation
+from edgec.runtime.prompt_room import check_prompt_room
 
 StateEntry = tuple[StateTensor, ort.OrtValue]  # a state tensor and the buffer holding it (host or device)
 GPU_PROVIDERS = {"CUDAExecutionProvider": "cuda"}  # providers whose cache state lives in device memory
@@ -164,14 +165,19 @@ class OrtGraph:
 
 
 def _allocate(
-    spec: CacheSpec, device: StateDevice, compressed_slots: int | None = None, temporary: bool = False
+    spec: CacheSpec,
+    device: StateDevice,
+    compressed_slots: int | None = None,
+    temporary: bool = False,
+    compressed_only: bool = False,
 ) -> list[StateEntry]:
     """Fresh state on ``device`` (a GPU copy is made once here; steps then update it in place there).
-    ``temporary`` (a long prompt's state, dropped when the prompt ends): host buffers of their own mappings."""
+    ``temporary`` (a long prompt's state, dropped when the prompt ends): host buffers of their own mappings;
+    ``compressed_only``: the compressed layers' tensors alone (the others keep their buffers through a prompt)."""
     own = temporary and device.kind == "cpu"
     return [
         (tensor, ort.OrtValue.ortvalue_from_numpy(_own_mapping(array) if own else array, device.kind, device.index))
-        for tensor, array in spec.empty_state(compressed_slots)
+        for tensor, array in spec.empty_state(compressed_slots, compressed_only)
     ]
 
 
@@ -187,19 +193,8 @@ def available_memory() -> int | None:
 
 
 def _check_room(spec: CacheSpec, length: int) -> None:
-    """An `end` prompt of ``length`` tokens is read whole into a temporary state of the compressed layers (its
-    pages are touched as the prompt goes): refuse at once, in one line, when the machine has not that much
-    available — reading on would end minutes later with the process killed, or in swap."""
-    needed = spec.end_prompt_bytes(length)
-    free = available_memory()
-    if free is not None and needed > free:
-        gib = 2**30
-        raise GenerationError(
-            f"a {length}-token prompt is read whole before its slots are chosen (prefill_compress end): its "
-            f"{needed / gib:.2f} GiB temporary state is more than the {free / gib:.2f} GiB this machine has "
-            "available; load with prefill_compress='chunk' (edgec run --prefill-compress chunk), fewer tokens, or "
-            "free memory"
-        )
+    """Host memory for an `end` prompt's temporary state (edgec/runtime/prompt_room.py)."""
+    check_prompt_room(length, spec.end_prompt_bytes(length), available_memory(), "this machine has available")
 
 
 def _own_mapping(array: np.ndarray) -> np.ndarray:
@@ -238,6 +233,12 @@ def _rows_of(selected: np.ndarray, shape: list[int]) -> np.ndarray:
     return padded
 
 
+def _state_bytes(spec: CacheSpec, prompt_tokens: int, vocab_size: int) -> int:
+    """One buffer per state tensor, updated in place (the temporary `end` prompt state likewise), and the logits
+    row a decode step returns."""
+    return spec.total_bytes() + spec.end_prompt_bytes(prompt_tokens) + 4 * vocab_size
+
+
 class OrtBackend:
     """A dynamic-shape bundle: one session (two where the bundle has a prompt-chunk graph, ``prefill``: then
     multi-token steps run on it); each cache state binds its own buffers to them."""
@@ -254,6 +255,9 @@ class OrtBackend:
     @property
     def providers(self) -> list[str]:
         return self.graph.session.get_providers()
+
+    def state_bytes(self, spec: CacheSpec, prompt_tokens: int = 0) -> int:
+        return _state_bytes(spec, prompt_tokens, self.vocab_size)
 
     def open_state(self, kv_capacity: int | None = None) -> OrtCacheState:
         """A new state; ``kv_capacity``: a compressed cache's slot count for this state alone (the graph takes
@@ -374,9 +378,9 @@ class OrtCacheState:
         self._observation.begin(compression, length)
         if whole:
             # only the compressed layers get larger buffers; the others (sliding-window rings) keep their own
-            larger = {entry[0]: entry for entry in _allocate(self.spec, self.graph.device, length, temporary=True)}
-            compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
-            self._active = [larger[entry[0]] if entry[0].layer in compressed else entry for entry in self._state]
+            temporary = _allocate(self.spec, self.graph.device, length, temporary=True, compressed_only=True)
+            larger = {entry[0]: entry for entry in temporary}
+            self._active = [larger.get(entry[0], entry) for entry in self._state]
             self._fed = 0
 
     def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
@@ -466,6 +470,9 @@ class StaticOrtBackend:
     @property
     def providers(self) -> list[str]:
         return self.prefill.session.get_providers()
+
+    def state_bytes(self, spec: CacheSpec, prompt_tokens: int = 0) -> int:
+        return _state_bytes(spec, prompt_tokens, self.vocab_size)
 
     def open_state(self) -> StaticOrtCacheState:
         prefill = OrtCacheState(self.prefill, self.vocab_size)

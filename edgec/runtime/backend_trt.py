@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from edgec.errors import BundleError
+from edgec.errors import BundleError, GenerationError
 from edgec.kvcache.reference import select_slots
 from edgec.kvcache.spec import OBSERVE_INPUT, PROTECT_INPUT, CacheSpec, StateTensor
 from edgec.runtime.observe import PromptObservation
+from edgec.runtime.prompt_room import check_prompt_room
 from edgec.runtime.user_cache import user_cache_dir
 
 EXTRA = "pip install 'edgec[tensorrt-rtx]'"
@@ -156,6 +157,13 @@ class TrtBackend:
     def providers(self) -> list[str]:
         return ["TensorRT-RTX"]
 
+    def state_bytes(self, spec: CacheSpec, prompt_tokens: int = 0) -> int:
+        """Device bytes a ``TrtCacheState`` allocates: two buffers per state tensor (also for an `end` prompt's
+        temporary state), each step's inputs for up to the prefill chunk, and its logits."""
+        state = 2 * (spec.total_bytes() + spec.end_prompt_bytes(prompt_tokens))
+        inputs = len((*IO_INPUTS, PROTECT_INPUT, OBSERVE_INPUT)) * max(8 * self.max_tokens, 1)
+        return state + inputs + max(self.float_dtype.itemsize * self.max_tokens * self.vocab_size, 1)
+
     def open_state(self) -> TrtCacheState:
         state = TrtCacheState(self)
         self.states.add(state)
@@ -216,7 +224,21 @@ class TrtCacheState:
         return pointer
 
     def _allocate(self, arrays: list[tuple[StateTensor, np.ndarray]]):
-        return [(tensor, [self._malloc(a.nbytes), self._malloc(a.nbytes)], a) for tensor, a in arrays]
+        """Two device buffers per state tensor (read, written); on a failure those already made are freed."""
+        made: list[int] = []
+        try:
+            for _, array in arrays:
+                for _ in range(2):
+                    made.append(self._malloc(array.nbytes))
+        except BundleError:
+            self._free(made)
+            raise
+        return [(tensor, made[2 * i : 2 * i + 2], array) for i, (tensor, array) in enumerate(arrays)]
+
+    def _free(self, pointers: list[int]) -> None:
+        for pointer in pointers:
+            self.cuda("cudaFree", pointer)
+            self.pointers.remove(pointer)
 
     def _upload(self, pointer: int, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array)
@@ -248,17 +270,20 @@ class TrtCacheState:
     # --- reading a long prompt into a compressed cache (as the ONNX Runtime backend, on device buffers) -----
     def begin_prompt(self, length: int) -> None:
         compression = self.compression
+        whole = compression and compression.prefill_compress == "end" and length > compression.capacity
+        if whole:  # two device buffers for each tensor of the compressed layers only (the others keep theirs)
+            free, _ = self.cuda("cudaMemGetInfo")
+            check_prompt_room(length, 2 * self.spec.end_prompt_bytes(length), int(free), "free on the GPU")
         self._observation.begin(compression, length)
-        if compression and compression.prefill_compress == "end" and length > compression.capacity:
-            larger = self._allocate(self.spec.empty_state(length))
-            compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
-            self.active = []
-            for entry, big in zip(self.buffers, larger, strict=True):
-                if entry[0].layer in compressed:
-                    self._upload(big[1][0], big[2])
-                    self.active.append(big)
-                else:
-                    self.active.append(entry)
+        if whole:
+            try:
+                larger = self._allocate(self.spec.empty_state(length, compressed_only=True))
+            except BundleError as error:  # taken by another process since the check
+                raise GenerationError(f"no GPU memory for a {length}-token prompt's state ({error})") from None
+            for _, pointers, empty in larger:
+                self._upload(pointers[0], empty)
+            by_tensor = {entry[0]: entry for entry in larger}
+            self.active = [by_tensor.get(entry[0], entry) for entry in self.buffers]
 
     def end_prompt(self, newest: int, last_chunk_start: int | None = None) -> None:
         self._observation.end()
@@ -283,9 +308,7 @@ class TrtCacheState:
             return
         for entry, own in zip(self.active, self.buffers, strict=True):
             if entry[1] is not own[1]:
-                for pointer in entry[1]:
-                    self.cuda("cudaFree", pointer)
-                    self.pointers.remove(pointer)
+                self._free(entry[1])
         self.active = self.buffers
 
     # --- a step --------------------------------------------------------------------------------------------------

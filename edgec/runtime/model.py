@@ -194,14 +194,11 @@ class Model:
 
     def session_bytes(self, kv_capacity: int | None = None, prompt_tokens: int = 0) -> int:
         """Host or device bytes one generation's cache state takes (``kv_capacity`` slots, default the bundle's),
-        plus the larger temporary state a prompt of ``prompt_tokens`` is read into (``prefill_compress = end``)
-        and the logits row."""
+        plus the temporary state a prompt of ``prompt_tokens`` is read into (``prefill_compress = end``: the
+        compressed layers at its length) and the buffers each step's inputs and logits take — as the backend
+        allocates them (``Backend.state_bytes``; TensorRT-RTX keeps two device buffers per state tensor)."""
         spec = self.cache_spec if kv_capacity is None else self.cache_spec.with_capacity(kv_capacity)
-        total = spec.total_bytes() + 4 * self.vocab_size
-        compression = spec.compression
-        if compression and compression.prefill_compress == "end" and prompt_tokens > compression.capacity:
-            total += self.cache_spec.with_capacity(prompt_tokens).total_bytes()
-        return total
+        return self._backend.state_bytes(spec, prompt_tokens)
 
     @classmethod
     def load(

@@ -56,5 +56,8 @@ class Backend(Protocol):
     def open_state(self) -> CacheState:
         """A new, empty cache state on this backend."""
 
+    def state_bytes(self, spec: CacheSpec, prompt_tokens: int = 0) -> int:
+        """Bytes a state of ``spec`` takes while it reads a ``prompt_tokens``-token prompt (``Model.session_bytes``)."""
+
     def close(self) -> None:
         """Release the backend (and save what it keeps between runs, e.g. compiled kernels)."""

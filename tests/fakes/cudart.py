@@ -46,6 +46,7 @@ DEVICES: list[cudaDeviceProp] = [cudaDeviceProp()]
 VERSIONS = {"driver": 13000, "runtime": 13000}  # CUDA 13.0 both: the driver supports what the runtime needs
 ALLOCATIONS: dict[int, np.ndarray] = {}  # device pointer → its bytes
 STREAMS: set[int] = set()
+PEAK = [0]  # the most bytes allocated at once since the last reset (``reset_peak``)
 _next_stream = [1]
 
 
@@ -55,6 +56,17 @@ def reset(devices: list[cudaDeviceProp] | None = None, driver: int = 13000) -> N
     VERSIONS["driver"] = driver
     ALLOCATIONS.clear()
     STREAMS.clear()
+    PEAK[0] = 0
+
+
+def used_bytes() -> int:
+    """Bytes allocated now."""
+    return sum(array.nbytes for array in ALLOCATIONS.values())
+
+
+def reset_peak() -> None:
+    """Start counting the peak from what is allocated now."""
+    PEAK[0] = used_bytes()
 
 
 def _no_device() -> bool:
@@ -84,17 +96,20 @@ def cudaRuntimeGetVersion():  # noqa: N802
 def cudaMemGetInfo():  # noqa: N802
     if _no_device():
         return (cudaError_t.cudaErrorNoDevice, 0, 0)
-    used = sum(array.nbytes for array in ALLOCATIONS.values())
     total = DEVICES[0].totalGlobalMem
-    return (cudaError_t.cudaSuccess, total - used, total)
+    return (cudaError_t.cudaSuccess, max(total - used_bytes(), 0), total)
 
 
 def cudaMalloc(size: int):  # noqa: N802
     if _no_device():
         return (cudaError_t.cudaErrorNoDevice, 0)
-    buffer = np.zeros(max(int(size), 1), np.uint8)
+    size = max(int(size), 1)
+    if used_bytes() + size > DEVICES[0].totalGlobalMem:  # the device is full, as a real one would be
+        return (cudaError_t.cudaErrorMemoryAllocation, 0)
+    buffer = np.zeros(size, np.uint8)
     pointer = buffer.ctypes.data
     ALLOCATIONS[pointer] = buffer
+    PEAK[0] = max(PEAK[0], used_bytes())
     return (cudaError_t.cudaSuccess, pointer)
 
 

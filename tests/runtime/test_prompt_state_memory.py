@@ -123,3 +123,35 @@ def test_inspect_shows_an_end_prompt_s_peak(fp32_slots):
     )
     assert _end_prompt_bytes(cache, 40) is None  # a slot for every token
     assert _end_prompt_bytes({**cache, "layers": [{"layer": "x"}]}, 128) is None
+
+
+def test_a_windowed_model_s_prompt_state_holds_its_compressed_layers_alone(tiny_gemma3, tmp_path, monkeypatch):
+    """Gemma's sliding-window rings are not compressed and keep their own buffers through an `end` prompt: the
+    temporary state holds the global layer alone, and ``session_bytes`` (what ``edgec serve`` admits by) prices
+    exactly what the runtime allocates for it — before, it priced the rings again at the prompt's length."""
+    out = tmp_path / "gemma3.kv.edgec"
+    build(tiny_gemma3[0], out, build_settings(target="cpu", context=96, prefill_chunk=16, kv_capacity=40, kv_window=8))
+    model = Model.load(out)
+    assert [layer.compressed for layer in model.cache_spec.layers] == [False, False, True, False]
+    allocated: list[int] = []
+    real = backend_ort._allocate
+
+    def spy(spec, device, compressed_slots=None, temporary=False, compressed_only=False):
+        entries = real(spec, device, compressed_slots, temporary, compressed_only)
+        if temporary:
+            allocated.append(sum(value.numpy().nbytes for _, value in entries))
+        return entries
+
+    monkeypatch.setattr(backend_ort, "_allocate", spy)
+    ids = np.random.default_rng(2).integers(0, model.vocab_size, 60).tolist()
+    want = list(model.generate_ids(ids, max_new_tokens=8))
+    assert allocated == [model.session_bytes(prompt_tokens=60) - model.session_bytes()]
+    global_layer = model.cache_spec.layers[2]
+    # fp32 k and v with the kernel's spare row, fp32 scores, int64 positions
+    assert allocated[0] == global_layer.num_kv_heads * (61 * 2 * global_layer.head_dim * 4 + 60 * (4 + 8))
+    assert model.session_bytes(prompt_tokens=40) == model.session_bytes()  # fits the slots: read in place
+    # the rings read the prompt in their own buffers: the tokens of the graph with the default path
+    assert list(Model.load(out, prefill_compress="chunk").generate_ids(ids[:40], max_new_tokens=8)) == list(
+        model.generate_ids(ids[:40], max_new_tokens=8)
+    )
+    assert len(want) == 8
