@@ -191,6 +191,32 @@ def test_on_the_gpu_the_cache_lives_on_the_device_and_cpu_nodes_are_named(
     assert StandInCudaSession.options[0] == (["CUDAExecutionProvider"], [{"arena_extend_strategy": "kSameAsRequested"}])
 
 
+def test_no_device_memory_for_an_end_prompt_s_state_is_one_line(tiny_llama, tmp_path, stand_in_cuda, monkeypatch):
+    """On the CUDA provider an `end` prompt's temporary state is allocated on the GPU at once: where the device
+    has no room ONNX Runtime's allocation error becomes one line naming prefill_compress='chunk', and the model
+    keeps working for prompts that fit the slots."""
+    from edgec.errors import GenerationError
+
+    out = tmp_path / "cuda.kv.edgec"
+    build(tiny_llama, out, build_settings(target="cuda", context=128, prefill_chunk=16, kv_capacity=40, kv_window=8))
+    model = Model.load(out)
+    prompt = _long_prompt(model)
+    want = list(model.generate_ids(prompt, max_new_tokens=4))
+    allocate = ort.OrtValue.ortvalue_from_numpy
+
+    def full_device(array, device_type="cpu", device_id=0, *rest):
+        if device_type == "cuda" and array.shape[2] > 40:  # the prompt's state, not the slots' (40 or 41 rows)
+            raise RuntimeError("CUDA failure 2: out of memory ; GPU=0 ; hostname=x ; file=cuda_allocator.cc")
+        return allocate(array, device_type, device_id, *rest)
+
+    monkeypatch.setattr(ort.OrtValue, "ortvalue_from_numpy", staticmethod(full_device))
+    with pytest.raises(GenerationError, match=r"no cuda memory for a 45-token prompt's .*out of memory.*'chunk'"):
+        list(model.generate_ids(prompt, max_new_tokens=4))
+    assert list(model.generate_ids(prompt[:30], max_new_tokens=4))
+    monkeypatch.setattr(ort.OrtValue, "ortvalue_from_numpy", staticmethod(allocate))
+    assert list(model.generate_ids(prompt, max_new_tokens=4)) == want
+
+
 def test_a_provider_that_fails_to_start_is_an_error_not_a_cpu_run(cuda_bundle, stand_in_cuda):
     StandInCudaSession.started = False  # what ONNX Runtime does when libcublas is missing: log, then use the CPU
     with pytest.raises(BundleError) as error:

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnxruntime as ort
 
-from edgec.errors import BundleError
+from edgec.errors import BundleError, GenerationError, one_line
 from edgec.kvcache.reference import select_slots
 from edgec.kvcache.spec import OBSERVE_INPUT, POSITIONS, PROTECT_INPUT, CacheSpec, StateTensor, present_name
 from edgec.runtime import shared_weights
@@ -378,7 +378,17 @@ class OrtCacheState:
         self._observation.begin(compression, length)
         if whole:
             # only the compressed layers get larger buffers; the others (sliding-window rings) keep their own
-            temporary = _allocate(self.spec, self.graph.device, length, temporary=True, compressed_only=True)
+            device = self.graph.device
+            try:
+                temporary = _allocate(self.spec, device, length, temporary=True, compressed_only=True)
+            except Exception as error:  # ONNX Runtime's device allocation failed (host pages were checked above)
+                if device.kind == "cpu":
+                    raise
+                raise GenerationError(
+                    f"no {device.kind} memory for a {length}-token prompt's temporary state "
+                    f"({self.spec.end_prompt_bytes(length) / 2**30:.2f} GiB; {one_line(error, 200)}): load with "
+                    "prefill_compress='chunk' (edgec run --prefill-compress chunk) or give fewer tokens"
+                ) from None
             larger = {entry[0]: entry for entry in temporary}
             self._active = [larger.get(entry[0], entry) for entry in self._state]
             self._fed = 0
