@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import mmap
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,3 +156,63 @@ def test_a_windowed_model_s_prompt_state_holds_its_compressed_layers_alone(tiny_
         model.generate_ids(ids[:40], max_new_tokens=8)
     )
     assert len(want) == 8
+
+
+def _prompt_session_ops(bundle, monkeypatch, tmp_path, ids) -> list[str]:
+    """The op types ONNX Runtime ran in the prompt-chunk session, in its order (its profiler on)."""
+    import json
+
+    import onnxruntime as ort
+
+    class Profiling(ort.SessionOptions):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enable_profiling = True
+            self.profile_file_prefix = str(tmp_path / "prompt")
+
+    monkeypatch.setattr(backend_ort.ort, "SessionOptions", Profiling)
+    model = Model.load(bundle)
+    model.generate(ids, max_new_tokens=1)
+    events = json.loads(Path(model._backend.prefill.session.end_profiling()).read_text())
+    return [e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})]
+
+
+def test_an_fp32_slot_prompt_writes_each_layer_s_state_before_the_next_layer(fp32_slots, monkeypatch, tmp_path):
+    """Over fp32 slots the prompt-chunk session runs in ONNX Runtime's priority-based order, in which each layer
+    writes its new k/v rows (the ScatterND after the op's branches) right after its attention — in the default
+    order every layer's rows waited for the last layer, alive through the whole chunk (SmolLM2 8K: 219 → 155 MiB
+    of working memory a chunk, docs/BENCHMARKS.md). Same state and tokens as in the default order."""
+    model = Model.load(fp32_slots)
+    assert backend_ort.prompt_order_by_priority(model.cache_spec)
+    session = model._backend.prefill.session
+    assert session.get_session_options().execution_order == backend_ort.ort.ExecutionOrder.PRIORITY_BASED
+    ids = model.encode(pydoc_text()[:3000])[:100]  # longer than the 40 slots: an `end` prompt, 16-token chunks
+    ops = _prompt_session_ops(fp32_slots, monkeypatch, tmp_path, ids)
+    attention = [i for i, op in enumerate(ops) if op == "GroupQueryAttention"]
+    assert len(attention) == 7 * len(model.cache_spec.layers)  # 100 tokens: 7 chunks
+    # the state writes after each layer's attention, up to the next layer's (or the end): the same for every
+    # layer; in the default order the first layer's waited for the last ([2, 6, 2, 6, ...] here)
+    writes = [ops[a:b].count("ScatterND") for a, b in zip(attention, [*attention[1:], len(ops)], strict=True)]
+    assert writes[0] >= 2 and set(writes) == {writes[0]}, writes
+    monkeypatch.setattr(backend_ort, "prompt_order_by_priority", lambda spec: False)
+    default = Model.load(fp32_slots)
+    assert default._backend.prefill.session.get_session_options().execution_order.name == "DEFAULT"
+    states = [one._backend.open_state() for one in (model, default)]
+    logits = [model._prefill(state, np.asarray(ids), all_logits=False) for state in states]
+    np.testing.assert_array_equal(logits[0], logits[1])
+    arrays = [state.arrays() for state in states]
+    assert all(np.array_equal(arrays[0][name], arrays[1][name]) for name in arrays[0])
+    assert model.generate(ids, max_new_tokens=8) == default.generate(ids, max_new_tokens=8)
+
+
+def test_int8_slots_and_plain_prompts_keep_onnx_runtime_s_default_order(tiny_llama, tiny_bundle, tmp_path):
+    """Priority order dequantizes every layer's int8 past at the start of a chunk (those nodes need only the
+    state): SmolLM2 8K 225 → 533 MiB. Int8 slots and uncompressed caches keep the default order."""
+    out = tmp_path / "int8.edgec"
+    build(tiny_llama, out, build_settings(**{**KV, "kv_dtype": "int8", "kv_group": 16}))
+    for bundle in (out, tiny_bundle):
+        model = Model.load(bundle)
+        assert not backend_ort.prompt_order_by_priority(model.cache_spec)
+        for graph in (model._backend.graph, model._backend.prefill):
+            if graph is not None:
+                assert graph.session.get_session_options().execution_order.name == "DEFAULT"
