@@ -1,0 +1,170 @@
+"""Resident memory through a long prompt, chunk by chunk: where a compressed bundle's peak comes from.
+
+    python benchmarks/prompt_memory.py [BUNDLE ...] [--prompt 8000] [--threads 2] [--rounds 2] [--orders both]
+
+Default bundles: kv_speed.py's plain int4 one and its 1,024-fp32-slot one (``end`` prompts), built if missing.
+Each (bundle, prompt-session order, round) runs in a process of its own, in alternation: load, open a state, read
+the prompt chunk by chunk as ``Model`` does, then select the slots. After each chunk it reads the process's VmRSS and
+the peak within the chunk (VmHWM, reset before each chunk through /proc/self/clear_refs), so the curve shows what
+grows with the prompt (the cache, or an `end` prompt's temporary state) and what the chunk itself needs.
+``--orders``: the prompt session in the order the runtime chooses (``runtime``), in ONNX Runtime's default order
+(``default``), or both — what ``backend_ort.prompt_order_by_priority`` buys. Results:
+benchmarks/out/prompt_memory.json and a PNG of the curves beside it. Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kv_speed  # noqa: E402
+from measure import machine  # noqa: E402
+
+DEFAULT_BUNDLES = (kv_speed.PLAIN_INT4, kv_speed.FP32_SLOTS)
+ORDERS = {"runtime": ("runtime",), "default": ("default",), "both": ("runtime", "default")}
+
+
+def _status_gib() -> dict[str, float]:
+    values = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            values[line.split(":")[0]] = int(line.split()[1]) / 2**20
+    return values
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+def worker(bundle: Path, ids: list[int], threads: int, order: str) -> dict:
+    """One prompt through ``bundle`` in this process: GiB after loading, per chunk (end token, VmRSS, VmHWM within
+    the chunk), after the selection; the prompt's seconds."""
+    import numpy as np
+
+    from edgec.runtime import Model, backend_ort
+
+    if order == "default":
+        backend_ort.prompt_order_by_priority = lambda spec: False
+    model = Model.load(bundle, threads=threads)
+    loaded = _status_gib()["VmRSS"]
+    state = model._backend.open_state()
+    prompt = np.asarray(ids, np.int64)
+    state.reset()
+    state.begin_prompt(len(prompt))
+    chunks = model._chunks(len(prompt), getattr(state, "compression", None))
+    rows = []
+    started = time.perf_counter()
+    for start, end in chunks:
+        _reset_peak()
+        if end < len(prompt) and hasattr(state, "feed"):
+            state.feed(prompt[start:end], start)
+        else:
+            state.run(prompt[start:end], start, last_only=True)
+        now = _status_gib()
+        rows.append([end, round(now["VmRSS"], 4), round(now["VmHWM"], 4)])
+    _reset_peak()
+    state.end_prompt(len(prompt) - 1, last_chunk_start=chunks[-1][0])
+    after = _status_gib()
+    return {
+        "loaded_gib": round(loaded, 4),
+        "chunks": rows,
+        "selection_peak_gib": round(after["VmHWM"], 4),
+        "after_gib": round(after["VmRSS"], 4),
+        "peak_gib": round(max([after["VmHWM"], *(row[2] for row in rows)]), 4),
+        "prompt_s": round(time.perf_counter() - started, 2),
+    }
+
+
+def run(bundles: list[Path], length: int, threads: int, rounds: int, orders: tuple[str, ...]) -> dict:
+    ids = kv_speed.prompt_ids(length, bundles[0])
+    if len(ids) < length:
+        sys.exit(f"the prompt text gives {len(ids)} tokens, fewer than --prompt {length}")
+    runs: dict[str, list[dict]] = {}
+    for number in range(rounds):
+        pairs = [(bundle, order) for bundle in bundles for order in orders]
+        for bundle, order in pairs if number % 2 == 0 else reversed(pairs):
+            command = [sys.executable, __file__, "--worker", str(bundle), "--threads", str(threads), "--order", order]
+            done = subprocess.run(command, input=json.dumps(ids), capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                sys.exit(f"{bundle.name} ({order} order) failed: {done.stderr.strip().splitlines()[-1:]}")
+            runs.setdefault(f"{bundle.name} ({order} order)", []).append(json.loads(done.stdout.splitlines()[-1]))
+    return {
+        "date": str(date.today()),
+        "machine": machine(),
+        "command": "python benchmarks/prompt_memory.py " + " ".join(sys.argv[1:]),
+        "prompt": length,
+        "threads": threads,
+        "runs": runs,
+        "summary": {
+            name: {key: statistics.median(r[key] for r in results) for key in ("loaded_gib", "peak_gib", "prompt_s")}
+            for name, results in runs.items()
+        },
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(10, 5.5))
+    for index, (name, results) in enumerate(result["runs"].items()):
+        for number, one in enumerate(results):
+            ends = [row[0] for row in one["chunks"]]
+            axis.plot(ends, [row[2] for row in one["chunks"]], color=f"C{index}", alpha=0.8,
+                      label=name if number == 0 else None)  # fmt: skip
+    axis.set_xlabel("prompt tokens read")
+    axis.set_ylabel("process peak within the chunk, GiB")
+    axis.set_title(f"Resident memory through a {result['prompt']}-token prompt ({result['machine']}, {result['date']})")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("bundles", nargs="*", type=Path)
+    parser.add_argument("--prompt", type=int, default=8000)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--orders", choices=list(ORDERS), default="both")
+    parser.add_argument("--out", type=Path, default=kv_speed.OUT / "prompt_memory.json")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--order", choices=("runtime", "default"), default="runtime", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, json.loads(sys.stdin.read()), args.threads, args.order)))
+        return
+    if not Path("/proc/self/clear_refs").exists():
+        sys.exit("this benchmark reads /proc (Linux)")
+    if args.prompt < 2 or args.rounds < 1:
+        sys.exit("--prompt must be ≥ 2 and --rounds ≥ 1")
+    bundles = args.bundles
+    if not bundles:
+        kv_speed.prepare(list(DEFAULT_BUNDLES))
+        bundles = [kv_speed.OUT / kv_speed.BUNDLES[name][0] for name in DEFAULT_BUNDLES]
+    for bundle in bundles:
+        if not (bundle / "manifest.json").is_file():
+            sys.exit(f"not a bundle: {bundle}")
+    result = run(bundles, args.prompt, args.threads, args.rounds, ORDERS[args.orders])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    plot(result, args.out.with_suffix(".png"))
+    for name, values in result["summary"].items():
+        print(
+            f"{name:60s} loaded {values['loaded_gib']:.3f} GiB  peak {values['peak_gib']:.3f} GiB  "
+            f"prompt {values['prompt_s']:.1f} s"
+        )
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

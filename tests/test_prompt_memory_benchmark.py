@@ -1,0 +1,48 @@
+"""benchmarks/prompt_memory.py on the tiny bundles: each run in a process of its own, one row per prompt chunk,
+the runtime's prompt order against ONNX Runtime's default, and the PNG; bad arguments are one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from edgec.build import build
+from tests.conftest import benchmark_script, build_settings
+
+
+@pytest.fixture(scope="module")
+def fp32_slots(tmp_path_factory, tiny_llama):
+    out = tmp_path_factory.mktemp("prompt-memory") / "fp32-slots.edgec"
+    settings = dict(target="cpu", context=128, prefill_chunk=16, kv_capacity=40, kv_window=8, kv_dtype="fp32")
+    build(tiny_llama, out, build_settings(**settings))
+    return out
+
+
+def test_every_chunk_measured_in_both_orders(tiny_bundle, fp32_slots, tmp_path):
+    script = benchmark_script("prompt_memory")
+    out = tmp_path / "memory.json"
+    script.main([str(tiny_bundle), str(fp32_slots), "--prompt", "70", "--threads", "1", "--rounds", "1",
+                 "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert list(result["runs"]) == [
+        f"{tiny_bundle.name} (runtime order)",
+        f"{tiny_bundle.name} (default order)",
+        f"{fp32_slots.name} (runtime order)",
+        f"{fp32_slots.name} (default order)",
+    ]
+    for (one,) in result["runs"].values():
+        assert [row[0] for row in one["chunks"]] == [6, 22, 38, 54, 70]  # the short piece first, then 16 a chunk
+        assert all(0 < row[1] <= row[2] + 1e-3 for row in one["chunks"])  # resident ≤ the chunk's peak
+        assert one["peak_gib"] >= max(row[2] for row in one["chunks"]) and one["loaded_gib"] > 0
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "args,message", [(["nowhere"], "not a bundle: .*nowhere$"), (["--prompt", "1"], "--prompt must be")]
+)
+def test_bad_arguments_are_one_line(args, message, tmp_path):
+    script = benchmark_script("prompt_memory")
+    argv = [str(tmp_path / a) if a == "nowhere" else a for a in args]
+    with pytest.raises(SystemExit, match=message):
+        script.main([*argv, "--out", str(tmp_path / "x.json")])
