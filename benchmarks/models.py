@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out"
-AUSTEN = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "austen"
+# the public-domain novels the benchmarks read, copied from ../shared/data/austen so that a plain clone runs them
+AUSTEN = Path(__file__).resolve().parent / "data" / "austen"
 
 
 def smollm2_gguf() -> Path:
@@ -44,6 +45,7 @@ def smollm2_hf_folder() -> Path:
 
 
 def austen_text(name: str = "prideprejudice.txt") -> str:
+    """One of the novels in benchmarks/data/austen (Jane Austen, public domain)."""
     return (AUSTEN / name).read_text()
 
 

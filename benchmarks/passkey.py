@@ -8,7 +8,7 @@ the longest prefill.
     # the hierarchical cache: the same bundle with recall off (plain eviction, all C slots) and on, in one run
     python benchmarks/passkey.py --lengths 8000 --context 8192 --kv-capacity 256 --kv-recall 4 --compare-recall
 
-A 5-digit key is hidden at a relative depth of Jane Austen filler (../shared/data/austen); the prompt ends with
+A 5-digit key is hidden at a relative depth of Jane Austen filler (benchmarks/data/austen); the prompt ends with
 "What is the pass key? The pass key is" and a trial succeeds when the greedy continuation (8 tokens) contains the
 key. Prompts are built in token space from the bundle's tokenizer, so every engine sees the same ids. Each engine
 runs in its own process so its peak RSS (VmHWM) is its own. Results: benchmarks/out/passkey-<bundle>.json.
