@@ -204,6 +204,37 @@ def test_an_fp32_slot_prompt_writes_each_layer_s_state_before_the_next_layer(fp3
     assert model.generate(ids, max_new_tokens=8) == default.generate(ids, max_new_tokens=8)
 
 
+@pytest.mark.parametrize(
+    "policy,prefill", [("h2o", "end"), ("tova", "end"), ("streaming", "end"), ("adaptive", "end"), ("snapkv", "chunk")]
+)
+def test_every_policy_reads_its_state_before_the_priority_order_writes_it(
+    tiny_llama, tmp_path, monkeypatch, policy, prefill
+):
+    """The state outputs are bound to the state inputs' buffers (written in place), so a node reading an input
+    after the writer ran would read the chunk's own writes. ONNX Runtime's default order ran every write after the
+    last layer; in priority order each layer writes right after its attention. For every policy and both prompt
+    modes the state and logits are the default order's, protected tokens included."""
+    out = tmp_path / f"{policy}-{prefill}.edgec"
+    build(tiny_llama, out, build_settings(**KV, kv_policy=policy, prefill_compress=prefill))
+    model = Model.load(out)
+    assert model._backend.prefill.session.get_session_options().execution_order.name == "PRIORITY_BASED"
+    ids = np.asarray(model.encode(pydoc_text()[:3000])[:100])
+    flags = np.zeros(len(ids), bool)
+    flags[10:14] = True  # never evicted
+    monkeypatch.setattr(backend_ort, "prompt_order_by_priority", lambda spec: False)
+    default = Model.load(out)
+    runs = []
+    for one in (model, default):
+        state = one._backend.open_state()
+        logits = one._prefill(state, ids, all_logits=True, flags=flags)
+        steps = [state.run(np.array([token]), len(ids) + i, True)[-1].copy() for i, token in enumerate(ids[:3])]
+        runs.append((logits, np.stack(steps), state.arrays()))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    for name, value in runs[0][2].items():
+        np.testing.assert_array_equal(value, runs[1][2][name], err_msg=name)
+
+
 def test_int8_slots_and_plain_prompts_keep_onnx_runtime_s_default_order(tiny_llama, tiny_bundle, tmp_path):
     """Priority order dequantizes every layer's int8 past at the start of a chunk (those nodes need only the
     state): SmolLM2 8K 225 → 533 MiB. Int8 slots and uncompressed caches keep the default order."""
