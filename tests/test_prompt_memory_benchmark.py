@@ -35,6 +35,7 @@ def test_every_chunk_measured_in_both_orders(tiny_bundle, fp32_slots, tmp_path):
         assert [row[0] for row in one["chunks"]] == [6, 22, 38, 54, 70]  # the short piece first, then 16 a chunk
         assert all(0 < row[1] <= row[2] + 1e-3 for row in one["chunks"])  # resident ≤ the chunk's peak
         assert one["peak_gib"] >= max(row[2] for row in one["chunks"]) and one["loaded_gib"] > 0
+        assert isinstance(one["peak_per_chunk"], bool)
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
@@ -46,3 +47,15 @@ def test_bad_arguments_are_one_line(args, message, tmp_path):
     argv = [str(tmp_path / a) if a == "nowhere" else a for a in args]
     with pytest.raises(SystemExit, match=message):
         script.main([*argv, "--out", str(tmp_path / "x.json")])
+
+
+def test_a_kernel_that_refuses_the_peak_reset_is_reported(monkeypatch):
+    """Where /proc/self/clear_refs cannot be written (some sandboxes) the run goes on and says so: each chunk's
+    "peak" is then the process's peak up to it."""
+    script = benchmark_script("prompt_memory")
+
+    def refuse(self, text):
+        raise PermissionError("clear_refs")
+
+    monkeypatch.setattr(script.Path, "write_text", refuse)
+    assert script._reset_peak() is False
