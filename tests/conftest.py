@@ -220,5 +220,22 @@ def gemma3_path() -> Path:
     return assemble(Path(__file__).resolve().parents[1] / ".cache" / "models" / MODEL_NAME)
 
 
+def record_temporary_states(monkeypatch) -> list[int]:
+    """Bytes of each temporary state (an `end` prompt's) the ONNX Runtime backend allocates from now on."""
+    from edgec.runtime import backend_ort
+
+    allocated: list[int] = []
+    allocate = backend_ort._allocate
+
+    def recorded(spec, device, compressed_slots=None, temporary=False, compressed_only=False):
+        entries = allocate(spec, device, compressed_slots, temporary, compressed_only)
+        if temporary:
+            allocated.append(sum(value.numpy().nbytes for _, value in entries))
+        return entries
+
+    monkeypatch.setattr(backend_ort, "_allocate", recorded)
+    return allocated
+
+
 def manifest(bundle: Path) -> dict:
     return json.loads((bundle / "manifest.json").read_text())

@@ -222,22 +222,13 @@ def test_an_end_prompt_s_temporary_state_is_planned_as_the_runtime_allocates_it(
     from dataclasses import replace
 
     from edgec.build import build
-    from edgec.runtime import Model, backend_ort
-    from tests.conftest import build_settings, pydoc_text
+    from edgec.runtime import Model
+    from tests.conftest import build_settings, pydoc_text, record_temporary_states
 
     out = tmp_path / "kv.edgec"
     kv = dict(kv_capacity=32, kv_dtype=kv_dtype, kv_window=8, kv_group=16)
     build(tiny_llama, out, build_settings(target="cpu", context=128, prefill_chunk=16, **kv))
-    allocated = []
-    allocate = backend_ort._allocate
-
-    def recorded(spec, device, compressed_slots=None, temporary=False, compressed_only=False):
-        entries = allocate(spec, device, compressed_slots, temporary, compressed_only)
-        if temporary:
-            allocated.append(sum(value.numpy().nbytes for _, value in entries))
-        return entries
-
-    monkeypatch.setattr(backend_ort, "_allocate", recorded)
+    allocated = record_temporary_states(monkeypatch)
     model = Model.load(out)
     prompt = model.encode(pydoc_text()[:4000])[:127]
     assert len(prompt) == 127

@@ -161,8 +161,13 @@ class TrtBackend:
         """Device bytes a ``TrtCacheState`` allocates: two buffers per state tensor (also for an `end` prompt's
         temporary state), each step's inputs for up to the prefill chunk, and its logits."""
         state = 2 * (spec.total_bytes() + spec.end_prompt_bytes(prompt_tokens))
-        inputs = len((*IO_INPUTS, PROTECT_INPUT, OBSERVE_INPUT)) * max(8 * self.max_tokens, 1)
-        return state + inputs + max(self.float_dtype.itemsize * self.max_tokens * self.vocab_size, 1)
+        return state + sum(max(size, 1) for size in self.io_bytes().values())  # cudaMalloc takes ≥ 1 byte
+
+    def io_bytes(self) -> dict[str, int]:
+        """Each state's device buffer for a step's inputs (int64, up to the prefill chunk) and its logits."""
+        tokens = self.max_tokens
+        inputs = {name: 8 * tokens for name in (*IO_INPUTS, PROTECT_INPUT, OBSERVE_INPUT)}
+        return inputs | {"logits": self.float_dtype.itemsize * tokens * self.vocab_size}
 
     def open_state(self) -> TrtCacheState:
         state = TrtCacheState(self)
@@ -212,10 +217,8 @@ class TrtCacheState:
         # (state tensor, [device buffer read, device buffer written], its empty value on the host)
         self.buffers = self._allocate(self.spec.empty_state())
         self.active = self.buffers  # a larger state while an `end` prompt is read into a compressed cache
-        tokens, vocab = backend.max_tokens, backend.vocab_size
-        self.io = {name: self._malloc(8 * tokens) for name in (*IO_INPUTS, PROTECT_INPUT, OBSERVE_INPUT)}
+        self.io = {name: self._malloc(size) for name, size in backend.io_bytes().items()}
         self._observation = PromptObservation()
-        self.io["logits"] = self._malloc(backend.float_dtype.itemsize * tokens * vocab)
         self.reset()
 
     def _malloc(self, size: int) -> int:

@@ -14,7 +14,7 @@ import pytest
 
 from edgec.build import build
 from edgec.runtime import Model, backend_ort
-from tests.conftest import build_settings, pydoc_text
+from tests.conftest import build_settings, pydoc_text, record_temporary_states
 
 KV = dict(target="cpu", context=128, prefill_chunk=16, kv_capacity=40, kv_dtype="fp32", kv_window=8)
 
@@ -134,16 +134,7 @@ def test_a_windowed_model_s_prompt_state_holds_its_compressed_layers_alone(tiny_
     build(tiny_gemma3[0], out, build_settings(target="cpu", context=96, prefill_chunk=16, kv_capacity=40, kv_window=8))
     model = Model.load(out)
     assert [layer.compressed for layer in model.cache_spec.layers] == [False, False, True, False]
-    allocated: list[int] = []
-    real = backend_ort._allocate
-
-    def spy(spec, device, compressed_slots=None, temporary=False, compressed_only=False):
-        entries = real(spec, device, compressed_slots, temporary, compressed_only)
-        if temporary:
-            allocated.append(sum(value.numpy().nbytes for _, value in entries))
-        return entries
-
-    monkeypatch.setattr(backend_ort, "_allocate", spy)
+    allocated = record_temporary_states(monkeypatch)
     ids = np.random.default_rng(2).integers(0, model.vocab_size, 60).tolist()
     model.next_token_logits(ids)
     assert allocated == [model.session_bytes(prompt_tokens=60) - model.session_bytes()]
