@@ -76,13 +76,27 @@ def smollm2_long(folder: Path) -> Path:
     return folder
 
 
-def plan(rtx: list[str], long_rtx: list[str], long: bool) -> list[dict]:
-    """What to build: (model, target, context) with the bundle's name."""
-    builds = [{"model": "smollm2", "target": t, "context": SHORT_CONTEXT} for t in ["cuda", *rtx]]
+# The compressed-cache bundle of --compressed: the CLI's own options (1,024 int8 slots, the prompt read whole first)
+COMPRESSED = ("--kv-capacity", "1024", "--kv-dtype", "int8", "--prefill-compress", "end")
+
+
+def plan(rtx: list[str], long_rtx: list[str], long: bool, short: bool = True, compressed: bool = False) -> list[dict]:
+    """What to build: (model, target, context, extra build options) with the bundle's name. A long bundle also
+    measures the ~1K prompt, so ``short=False`` leaves the 2K ones out (one bundle to carry where carrying is dear);
+    ``compressed`` adds the `cuda` bundle at the long context (else the short) with a compressed cache."""
+    builds = [{"model": "smollm2", "target": t, "context": SHORT_CONTEXT} for t in ["cuda", *rtx]] if short else []
     if long:
         builds += [{"model": "smollm2-long", "target": t, "context": LONG_CONTEXT} for t in ["cuda", *long_rtx]]
     for item in builds:
         item["bundle"] = f"smollm2-{item['context'] // 1024}k.{item['target']}.edgec"
+        item["options"] = []
+    if compressed:
+        model, context = ("smollm2-long", LONG_CONTEXT) if long else ("smollm2", SHORT_CONTEXT)
+        name = f"smollm2-{context // 1024}k-kv1024-int8.cuda.edgec"
+        builds.append({"model": model, "target": "cuda", "context": context, "bundle": name,
+                       "options": list(COMPRESSED)})  # fmt: skip
+    if not builds:
+        raise PrepareError("nothing to build: --no-short together with --no-long")
     return builds
 
 
@@ -102,7 +116,7 @@ def build_bundle(item: dict, models: dict[str, Path], folder: Path, rebuild: boo
     begin = time.monotonic()
     source = models[item["model"]]
     edgec("build", str(source), "--target", item["target"], "--context", str(item["context"]), "-o", str(bundle),
-          "--overwrite")  # fmt: skip
+          "--overwrite", *item.get("options", []))  # fmt: skip
     return bundle, time.monotonic() - begin
 
 
@@ -131,7 +145,7 @@ def extra_wheels(folder: Path, requirements: list[str], python: str, platform: s
 def prepare(args: argparse.Namespace) -> dict:
     from edgec.targets import load_target
 
-    builds = plan(args.rtx, args.long_rtx, not args.no_long)
+    builds = plan(args.rtx, args.long_rtx, not args.no_long, not args.no_short, args.compressed)
     for item in builds:
         load_target(item["target"])  # an unknown target is the first thing to say
     models = {"smollm2": args.short_model or smollm2()}
@@ -177,6 +191,7 @@ def prepare(args: argparse.Namespace) -> dict:
                 "runtime": runtime,
                 "compute_capability": manifest["target"]["compute_capability"],
                 "model": item["model"],
+                "build_options": item["options"],
                 "context": manifest["model"]["context"],
                 "wheels": wheels,
                 "wheels_problem": unpackable.get(runtime, ""),
@@ -228,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rtx", type=_names, default=list(DEFAULT_RTX), help="TensorRT-RTX targets at 2K (a,b,…)")
     parser.add_argument("--long-rtx", type=_names, default=[], help="TensorRT-RTX targets also built at 16K")
     parser.add_argument("--no-long", action="store_true", help="no 16K bundle")
+    parser.add_argument("--no-short", action="store_true", help="no 2K bundles (the 16K one measures ~1K too)")
+    parser.add_argument("--compressed", action="store_true", help="also a `cuda` bundle with 1,024 int8 slots")
     parser.add_argument("--python", default="3.12", help="the GPU machine's Python (major.minor)")
     parser.add_argument("--platform", default="manylinux_2_28_x86_64", help="its pip platform tag")
     parser.add_argument("--no-wheels", dest="wheels", action="store_false", help="bundles only (the runtime is there)")

@@ -47,6 +47,18 @@ def _entries() -> list:
     ]
 
 
+def test_the_prepare_plan_can_leave_the_short_bundles_out_and_add_a_compressed_one():
+    """Where each call carries 64 MiB, one 16K bundle (it measures ~1K too) and a compressed-cache one are the pack."""
+    names = [item["bundle"] for item in prepare.plan([], [], long=True, short=False, compressed=True)]
+    assert names == ["smollm2-16k.cuda.edgec", "smollm2-16k-kv1024-int8.cuda.edgec"]
+    [compressed] = [item for item in prepare.plan(["rtx3060"], [], long=False, compressed=True) if item["options"]]
+    assert compressed["context"] == prepare.SHORT_CONTEXT and compressed["target"] == "cuda"
+    assert compressed["options"] == ["--kv-capacity", "1024", "--kv-dtype", "int8", "--prefill-compress", "end"]
+    assert [item["options"] for item in prepare.plan(["rtx3060"], [], long=True)] == [[], [], []]
+    with pytest.raises(prepare.PrepareError, match="nothing to build"):
+        prepare.plan([], [], long=False, short=False)
+
+
 def test_the_gpu_decides_which_bundles_run():
     chosen, skipped = check.select(_entries(), H200)
     assert [e.bundle for e in chosen] == ["smollm2.cuda.edgec", "smollm2-16k.cuda.edgec"]  # ORT CUDA runs on sm90
