@@ -1212,7 +1212,10 @@ def keygen(name) -> None:
 @click.option("--max-sessions", type=int, default=8, show_default=True, help="Generations running at once.")
 @click.option("--queue", "queue_size", type=int, default=16, show_default=True, help="Requests that may wait.")
 @click.option(
-    "--memory", default=None, help="Memory the server may use, e.g. 2GiB: sessions get smaller caches, then wait."
+    "--memory",
+    default=None,
+    help="Memory the server may use, e.g. 2GiB (GPU memory for a GPU bundle; without it, what the GPU has free): "
+    "sessions get smaller caches, then wait.",
 )
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads [default: its own].")
 @click.option(

@@ -28,7 +28,7 @@ from edgec.build import BuildSettings, build
 from edgec.cli import main
 from edgec.errors import BuildError, BuildSettingsError, BundleError
 from edgec.runtime import Model, backend_ort
-from edgec.runtime.backend_ort import StateDevice, check_cuda_can_start, cuda_driver_problem
+from edgec.runtime.backend_ort import StateDevice, check_cuda_can_start, cuda_driver_problem, cuda_memory
 from edgec.targets import load_target, parse_target
 from tests.conftest import build_settings, make_llama_folder, manifest, pydoc_text
 from tests.test_cli import assert_clean_failure
@@ -261,6 +261,64 @@ def test_the_driver_probe_names_what_is_missing():
     assert "cuInit returned CUDA error 100" in cuda_driver_problem(_loader(FakeDriver(init_status=100)))
     assert "reports no GPU" in cuda_driver_problem(_loader(FakeDriver(devices=0)))
     assert cuda_driver_problem(_loader(FakeDriver())) is None
+
+
+class FakeContextDriver(FakeDriver):
+    """The driver calls ``cuda_memory`` makes, recording the context it makes current and releases."""
+
+    def __init__(self, free=6 << 30, total=8 << 30, meminfo_status=0, **options):
+        super().__init__(**options)
+        self.free, self.total, self.meminfo_status = free, total, meminfo_status
+        self.calls: list[str] = []
+
+    def cuDeviceGet(self, device, index):  # noqa: N802
+        device._obj.value = index.value
+        self.calls.append(f"get {index.value}")
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, context, device):  # noqa: N802
+        context._obj.value = 0xC0
+        self.calls.append(f"retain {device.value}")
+        return 0
+
+    def cuCtxPushCurrent_v2(self, context):  # noqa: N802
+        self.calls.append("push")
+        return 0
+
+    def cuMemGetInfo_v2(self, free, total):  # noqa: N802
+        free._obj.value, total._obj.value = self.free, self.total
+        return self.meminfo_status
+
+    def cuCtxPopCurrent_v2(self, context):  # noqa: N802
+        self.calls.append("pop")
+        return 0
+
+    def cuDevicePrimaryCtxRelease_v2(self, device):  # noqa: N802
+        self.calls.append(f"release {device.value}")
+        return 0
+
+
+def test_the_cuda_provider_s_free_memory_comes_from_the_driver_in_the_primary_context():
+    """``edgec serve`` budgets a CUDA bundle's sessions against the GPU's free memory; ONNX Runtime does not report
+    it, so the driver is asked inside the device's primary context (the one ONNX Runtime's CUDA runtime uses),
+    which is retained and released, pushed and popped — never a context of its own, never left current."""
+    driver = FakeContextDriver()
+    assert cuda_memory(1, _loader(driver)) == (6 << 30, 8 << 30)
+    assert driver.calls == ["get 1", "retain 1", "push", "pop", "release 1"]
+    failing = FakeContextDriver(meminfo_status=201)
+    assert cuda_memory(0, _loader(failing)) is None and failing.calls[-2:] == ["pop", "release 0"]
+    assert cuda_memory(0, _loader(None)) is None  # no driver: nothing to say
+    assert cuda_memory(0, _loader(FakeContextDriver(init_status=100))) is None
+    assert cuda_memory(0, _loader(FakeDriver())) is None  # a driver without these entry points
+
+
+def test_which_backends_report_a_gpu_s_memory(tiny_bundle, monkeypatch):
+    asked = []
+    monkeypatch.setattr(backend_ort, "cuda_memory", lambda index: asked.append(index) or (1, 2))
+    assert backend_ort._device_memory(StateDevice("cuda", 1)) == (1, 2) and asked == [1]
+    assert backend_ort._device_memory(StateDevice()) is None
+    with Model.load(tiny_bundle) as model:  # the cpu target's states live in host memory
+        assert model.device_memory() is None and asked == [1]
 
 
 def test_a_missing_cuda_library_is_one_line_before_onnx_runtime_tries(monkeypatch):

@@ -311,3 +311,41 @@ def test_an_end_prompt_without_room_on_the_gpu_is_one_line(gemma_rtx_bundle, fak
     assert cudart.used_bytes() == steady
     cudart.DEVICES[0].totalGlobalMem = steady + needed
     assert list(model.generate_ids(ids, max_new_tokens=4)) == want  # exactly enough
+
+
+def test_edgec_serve_budgets_the_gpu_that_holds_the_sessions(compressed_rtx_bundle, fake_gpu):
+    """A TensorRT-RTX bundle's sessions live in GPU memory: the server measures the GPU after its warm-up and admits
+    sessions against what is free there: as many as the device holds beside the server's headroom, not one more."""
+    import asyncio
+
+    from edgec.serve import load_server
+    from edgec.serve.memory import HEADROOM
+    from edgec.serve.scheduler import Busy
+
+    _register(compressed_rtx_bundle)
+    probe = Model.load(compressed_rtx_bundle)
+    session = probe.session_bytes()
+    probe.close()
+    assert cudart.used_bytes() == 0
+    cudart.DEVICES[0].totalGlobalMem = HEADROOM + 3 * session + session // 2  # room for three sessions, not four
+    server = load_server(compressed_rtx_bundle, max_sessions=8, queue_size=0, max_prompt_tokens=40)
+    memory = server.memory
+    assert memory.budget_on == "gpu" and memory.device_used == cudart.used_bytes() == 0  # the warm-up's state freed
+    assert memory.session_budget == memory.device_total - memory.device_used - HEADROOM
+
+    async def admit_all():
+        tickets = []
+        with pytest.raises(Busy):
+            while True:
+                tickets.append(await server.scheduler.admit(8))
+        return tickets
+
+    tickets = asyncio.run(admit_all())
+    assert len(tickets) == 3 and all(ticket.bytes == session for ticket in tickets)
+    states = [server.model._backend.open_state() for _ in tickets]  # the device holds what was admitted
+    assert cudart.used_bytes() - memory.device_used == 3 * session
+    free, _ = server.model.device_memory()
+    assert free < HEADROOM + session  # a fourth would have eaten into the server's headroom
+    for state in states:
+        state.close()
+    server.model.close()

@@ -265,6 +265,9 @@ class OrtBackend:
     def state_bytes(self, spec: CacheSpec, prompt_tokens: int = 0) -> int:
         return _state_bytes(spec, prompt_tokens, self.vocab_size)
 
+    def device_memory(self) -> tuple[int, int] | None:
+        return _device_memory(self.graph.device)
+
     def open_state(self, kv_capacity: int | None = None) -> OrtCacheState:
         """A new state; ``kv_capacity``: a compressed cache's slot count for this state alone (the graph takes
         any), e.g. a smaller one for a served session when memory is short."""
@@ -490,6 +493,9 @@ class StaticOrtBackend:
     def state_bytes(self, spec: CacheSpec, prompt_tokens: int = 0) -> int:
         return _state_bytes(spec, prompt_tokens, self.vocab_size)
 
+    def device_memory(self) -> tuple[int, int] | None:
+        return _device_memory(self.prefill.device)
+
     def open_state(self) -> StaticOrtCacheState:
         prefill = OrtCacheState(self.prefill, self.vocab_size)
         decode = OrtCacheState(self.decode, self.vocab_size, shared_state=prefill._state)
@@ -634,6 +640,34 @@ def cuda_driver_problem(load=ctypes.CDLL) -> str | None:
     if driver.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
         return "the NVIDIA driver reports no GPU"
     return None
+
+
+def _device_memory(device: StateDevice) -> tuple[int, int] | None:
+    return cuda_memory(device.index) if device.kind == "cuda" else None
+
+
+def cuda_memory(device_index: int = 0, load=ctypes.CDLL) -> tuple[int, int] | None:
+    """``(free, total)`` bytes of a CUDA device, through the driver API in the context ONNX Runtime's CUDA provider
+    runs in (the device's primary context, as the CUDA runtime uses it: retained here, not created); None when the
+    driver cannot say. ONNX Runtime itself does not report a device's free memory."""
+    try:
+        driver = load("libcuda.so.1")
+        device, context = ctypes.c_int(0), ctypes.c_void_p()
+        if driver.cuInit(0) or driver.cuDeviceGet(ctypes.byref(device), ctypes.c_int(device_index)):
+            return None
+        if driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device):
+            return None
+        try:
+            if driver.cuCtxPushCurrent_v2(context):
+                return None
+            free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+            status = driver.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+            driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+            return None if status else (int(free.value), int(total.value))
+        finally:
+            driver.cuDevicePrimaryCtxRelease_v2(device)
+    except (OSError, AttributeError):  # no driver, or one without these entry points
+        return None
 
 
 def cpu_fallback_note(session: ort.InferenceSession, provider: str, graph: str) -> str | None:

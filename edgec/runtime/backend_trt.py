@@ -163,6 +163,10 @@ class TrtBackend:
         state = 2 * (spec.total_bytes() + spec.end_prompt_bytes(prompt_tokens))
         return state + sum(max(size, 1) for size in self.io_bytes().values())  # cudaMalloc takes ≥ 1 byte
 
+    def device_memory(self) -> tuple[int, int] | None:
+        free, total = self.cuda("cudaMemGetInfo")
+        return int(free), int(total)
+
     def io_bytes(self) -> dict[str, int]:
         """Each state's device buffer for a step's inputs (int64, up to the prefill chunk) and its logits."""
         tokens = self.max_tokens

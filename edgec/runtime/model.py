@@ -133,10 +133,7 @@ class Model:
     def close(self) -> None:
         """Release the cache states and the backend now (GPU memory; a TensorRT-RTX runtime cache is saved for
         the next start). Also done when the model is garbage collected, except the runtime cache."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for state in idle:
-            state.close()
+        self.close_idle_states()
         self._backend.close()
 
     def __enter__(self) -> Model:
@@ -165,6 +162,14 @@ class Model:
         finally:
             with self._lock:
                 self._idle.append(state)
+
+    def close_idle_states(self) -> None:
+        """Free the cache states kept for reuse between generations (on a GPU their memory goes back at once); the
+        next generation opens a new one."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for state in idle:
+            state.close()
 
     @property
     def cache_resizable(self) -> bool:
@@ -199,6 +204,11 @@ class Model:
         allocates them (``Backend.state_bytes``; TensorRT-RTX keeps two device buffers per state tensor)."""
         spec = self.cache_spec if kv_capacity is None else self.cache_spec.with_capacity(kv_capacity)
         return self._backend.state_bytes(spec, prompt_tokens)
+
+    def device_memory(self) -> tuple[int, int] | None:
+        """``(free, total)`` bytes of the GPU holding this model's cache states, read now (every process's use
+        counted); None where the states live in host memory."""
+        return self._backend.device_memory()
 
     @classmethod
     def load(

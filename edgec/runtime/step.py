@@ -59,5 +59,9 @@ class Backend(Protocol):
     def state_bytes(self, spec: CacheSpec, prompt_tokens: int = 0) -> int:
         """Bytes a state of ``spec`` takes while it reads a ``prompt_tokens``-token prompt (``Model.session_bytes``)."""
 
+    def device_memory(self) -> tuple[int, int] | None:
+        """``(free, total)`` bytes of the GPU that holds the cache states, read now; None where the states live in
+        host memory (or the GPU cannot be asked)."""
+
     def close(self) -> None:
         """Release the backend (and save what it keeps between runs, e.g. compiled kernels)."""

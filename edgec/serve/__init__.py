@@ -93,6 +93,8 @@ def serve(
     server = load_server(bundle, max_sessions, memory, queue_size, threads, max_prompt_tokens, echo)
     budget = server.memory.session_budget
     room = "no --memory limit" if budget is None else f"{budget / 2**20:,.0f} MiB for sessions' caches"
+    if server.memory.budget_on == "gpu":
+        room = f"{budget / 2**20:,.0f} MiB of GPU memory for sessions' caches"
     sizes = ", ".join("full" if c is None else str(c) for c in server.scheduler.capacities)
     echo(
         f"serving {server.name} at http://{host}:{port}/v1 (model {server.memory.model_bytes / 2**20:,.0f} MiB "

@@ -6,6 +6,12 @@ arena has grown to its largest step: the activations) and reads the process's re
 holds the weights, the runtime libraries and the activations of one step at a time (the engine runs one step at
 a time). Each session then costs exactly its cache state (``Model.session_bytes``: CacheSpec sizes), and a fixed
 headroom covers the HTTP side (requests, responses, Python objects).
+
+On a bundle whose cache states live on a GPU (TensorRT-RTX, ONNX Runtime's CUDA provider) the sessions cost GPU
+memory, so the budget is the GPU's: after the warm-up, what is in use on it (every process counted: the driver can
+only say device-wide) is subtracted from ``--memory`` — or, without ``--memory``, from the GPU's total — and a
+session never gets more than the GPU has free. Host memory is then not budgeted: a GPU session's host side is its
+request and a step's logits.
 """
 
 from __future__ import annotations
@@ -29,14 +35,24 @@ class ServerMemory:
     limit: int | None  # --memory, bytes (None: no limit)
     model_bytes: int  # resident after loading and one longest step (weights + runtime + activations)
     weights_bytes: int  # the bundle's weight files (part of model_bytes)
+    device_total: int | None = None  # the GPU holding the sessions' states (None: they live in host memory)
+    device_used: int | None = None  # in use on that GPU after the warm-up, by every process
+
+    @property
+    def budget_on(self) -> str:
+        return "host" if self.device_total is None else "gpu"
 
     @property
     def session_budget(self) -> int | None:
-        """Bytes the sessions' cache states may take together."""
+        """Bytes the sessions' cache states may take together (GPU bytes where they live on a GPU)."""
+        if self.device_total is not None:
+            ceiling = self.device_total if self.limit is None else min(self.limit, self.device_total)
+            return ceiling - self.device_used - HEADROOM
         return None if self.limit is None else self.limit - self.model_bytes - HEADROOM
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self) | {"session_budget": self.session_budget, "headroom": HEADROOM}
+        extra = {"session_budget": self.session_budget, "budget_on": self.budget_on, "headroom": HEADROOM}
+        return dataclasses.asdict(self) | extra
 
 
 def warm_up(model: Model, prompt_tokens: int) -> None:
@@ -51,13 +67,35 @@ def measure(model: Model, limit: int | None, smallest_session: int, prompt_token
     warm_up(model, prompt_tokens)
     files = model.manifest["files"]
     weights = sum(entry["size"] for name, entry in files.items() if name.endswith((".data", ".onnx", ".trt")))
-    memory = ServerMemory(limit, resident_bytes(), weights)
-    if limit is not None and memory.session_budget < smallest_session:
-        need = memory.model_bytes + HEADROOM + smallest_session
+    device = model.device_memory()
+    if device is not None:  # the warm-up's state, kept for reuse, is a session's: not the model's memory
+        model.close_idle_states()
+        device = model.device_memory()
+    if device is None:
+        memory = ServerMemory(limit, resident_bytes(), weights)
+    else:
+        free, total = device
+        memory = ServerMemory(limit, resident_bytes(), weights, total, total - free)
+    if memory.session_budget is None or memory.session_budget >= smallest_session:
+        return memory
+    one = smallest_session / 2**20
+    if memory.device_total is not None:
+        used, total = memory.device_used / 2**20, memory.device_total / 2**20
+        if limit is None or limit >= memory.device_total:
+            raise BuildSettingsError(
+                f"the GPU has {total - used:.0f} MiB free after loading the model ({used:.0f} of {total:.0f} MiB in "
+                f"use, every process counted), the server keeps {HEADROOM / 2**20:.0f} MiB, and one session needs "
+                f"{one:.1f} MiB: free GPU memory or serve a bundle with a smaller cache"
+            )
+        need = memory.device_used + HEADROOM + smallest_session
         raise BuildSettingsError(
-            f"--memory {limit / 2**20:.0f} MiB is too small: the loaded model takes {memory.model_bytes / 2**20:.0f} "
-            f"MiB (weights {weights / 2**20:.0f} MiB, runtime and activations included), the server keeps "
-            f"{HEADROOM / 2**20:.0f} MiB, and one session needs {smallest_session / 2**20:.1f} MiB; give at least "
-            f"{need / 2**20:.0f} MiB"
+            f"--memory {limit / 2**20:.0f} MiB is too small: the GPU holds this bundle's sessions and has "
+            f"{used:.0f} MiB in use after loading the model (every process counted), the server keeps "
+            f"{HEADROOM / 2**20:.0f} MiB, and one session needs {one:.1f} MiB; give at least {need / 2**20:.0f} MiB"
         )
-    return memory
+    need = memory.model_bytes + HEADROOM + smallest_session
+    raise BuildSettingsError(
+        f"--memory {limit / 2**20:.0f} MiB is too small: the loaded model takes {memory.model_bytes / 2**20:.0f} "
+        f"MiB (weights {weights / 2**20:.0f} MiB, runtime and activations included), the server keeps "
+        f"{HEADROOM / 2**20:.0f} MiB, and one session needs {one:.1f} MiB; give at least {need / 2**20:.0f} MiB"
+    )

@@ -135,3 +135,60 @@ def test_one_generation_gets_its_own_capacity(serve_bundle):
     assert shared.session_bytes(512) < shared.session_bytes() // 3
     with pytest.raises(ValueError, match="no room to evict"):
         shared.generate_ids(prompt, kv_capacity=8)
+
+
+def test_a_gpu_bundle_budgets_the_gpu():
+    """Where the sessions' states live on a GPU, the budget is GPU memory: --memory (or, without it, the GPU's total)
+    less what is in use on it after the warm-up, never more than the GPU has free; host memory is not budgeted."""
+    from edgec.serve.memory import ServerMemory
+
+    host = ServerMemory(limit=1000 * 2**20, model_bytes=300 * 2**20, weights_bytes=100 * 2**20)
+    assert host.budget_on == "host" and host.session_budget == 700 * 2**20 - HEADROOM
+    gpu = ServerMemory(None, 300 * 2**20, 100 * 2**20, device_total=8192 * 2**20, device_used=1500 * 2**20)
+    assert gpu.budget_on == "gpu" and gpu.session_budget == (8192 - 1500) * 2**20 - HEADROOM  # all that is free
+    assert dataclasses_replace(gpu, limit=4096 * 2**20).session_budget == (4096 - 1500) * 2**20 - HEADROOM
+    assert dataclasses_replace(gpu, limit=10**12).session_budget == gpu.session_budget  # not past the GPU's free
+    assert gpu.to_json()["budget_on"] == "gpu" and gpu.to_json()["device_used"] == 1500 * 2**20
+
+
+def dataclasses_replace(memory, **changes):
+    import dataclasses
+
+    return dataclasses.replace(memory, **changes)
+
+
+class _StubModel:
+    """What ``measure`` asks a model: a generation to warm up, the manifest's files, the GPU's memory."""
+
+    manifest = {"files": {"model.onnx": {"size": 10 * 2**20}, "tokenizer.json": {"size": 1}}}
+
+    def __init__(self, device):
+        self.device, self.warmed = device, 0
+
+    def generate_ids(self, ids, max_new_tokens):
+        self.warmed = len(ids)
+        yield 1
+
+    def device_memory(self):
+        return self.device
+
+    def close_idle_states(self):
+        pass
+
+
+def test_measure_reads_the_gpu_after_the_warm_up_and_says_when_one_session_cannot_fit():
+    from edgec.errors import BuildSettingsError
+    from edgec.serve.memory import measure
+
+    gib = 2**30
+    model = _StubModel((6 * gib, 8 * gib))
+    memory = measure(model, None, 64 * 2**20, prompt_tokens=100)
+    assert model.warmed == 100 and memory.device_used == 2 * gib and memory.session_budget == 6 * gib - HEADROOM
+    with pytest.raises(BuildSettingsError) as small:
+        measure(_StubModel((6 * gib, 8 * gib)), 2 * gib + 64 * 2**20, 64 * 2**20, prompt_tokens=1)
+    message = str(small.value)
+    assert message.startswith("--memory 2112 MiB is too small: the GPU holds this bundle's sessions and has 2048 MiB")
+    assert message.endswith(f"give at least {2048 + HEADROOM // 2**20 + 64} MiB") and "\n" not in message
+    with pytest.raises(BuildSettingsError, match=r"^the GPU has 40 MiB free after loading the model \(8152 of 8192"):
+        measure(_StubModel((40 * 2**20, 8 * gib)), None, 64 * 2**20, prompt_tokens=1)
+    assert measure(_StubModel(None), None, 64 * 2**20, prompt_tokens=1).budget_on == "host"
