@@ -78,24 +78,26 @@ def measure(model: Model, limit: int | None, smallest_session: int, prompt_token
         memory = ServerMemory(limit, resident_bytes(), weights, total, total - free)
     if memory.session_budget is None or memory.session_budget >= smallest_session:
         return memory
-    one = smallest_session / 2**20
+    session_mib = smallest_session / 2**20
     if memory.device_total is not None:
         used, total = memory.device_used / 2**20, memory.device_total / 2**20
         if limit is None or limit >= memory.device_total:
             raise BuildSettingsError(
                 f"the GPU has {total - used:.0f} MiB free after loading the model ({used:.0f} of {total:.0f} MiB in "
                 f"use, every process counted), the server keeps {HEADROOM / 2**20:.0f} MiB, and one session needs "
-                f"{one:.1f} MiB: free GPU memory or serve a bundle with a smaller cache"
+                f"{session_mib:.1f} MiB: free GPU memory or serve a bundle with a smaller cache"
             )
         need = memory.device_used + HEADROOM + smallest_session
         raise BuildSettingsError(
             f"--memory {limit / 2**20:.0f} MiB is too small: the GPU holds this bundle's sessions and has "
             f"{used:.0f} MiB in use after loading the model (every process counted), the server keeps "
-            f"{HEADROOM / 2**20:.0f} MiB, and one session needs {one:.1f} MiB; give at least {need / 2**20:.0f} MiB"
+            f"{HEADROOM / 2**20:.0f} MiB, and one session needs {session_mib:.1f} MiB; give at least "
+            f"{need / 2**20:.0f} MiB"
         )
     need = memory.model_bytes + HEADROOM + smallest_session
     raise BuildSettingsError(
         f"--memory {limit / 2**20:.0f} MiB is too small: the loaded model takes {memory.model_bytes / 2**20:.0f} "
         f"MiB (weights {weights / 2**20:.0f} MiB, runtime and activations included), the server keeps "
-        f"{HEADROOM / 2**20:.0f} MiB, and one session needs {one:.1f} MiB; give at least {need / 2**20:.0f} MiB"
+        f"{HEADROOM / 2**20:.0f} MiB, and one session needs {session_mib:.1f} MiB; give at least "
+        f"{need / 2**20:.0f} MiB"
     )
