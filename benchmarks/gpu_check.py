@@ -15,6 +15,8 @@ a failure is reported and the next bundle still runs. Per bundle it reports
 - the logits of the GPU run against ONNX Runtime's CPU provider on the bundle's own ONNX graph (the fp16 graph any
   engine was built from) for a short prompt: max |Δlogit| and whether the top-1 token agrees,
 - the note naming nodes the CUDA provider left to the CPU, if any,
+- what `edgec serve` budgets a GPU bundle by: the runtime's reading of the GPU's memory beside NVML's, and the device
+  memory one more cache state takes against its price (``Model.session_bytes``),
 
 then writes results.json and prints a table. The whole run stays inside --budget seconds (default 450: under the
 8 minutes it must fit); bundles that no longer fit are reported as skipped.
@@ -385,6 +387,7 @@ def measure(bundle: Path, providers: list[str] | None = None) -> dict[str, Any]:
         }
     short = ids[:SHORT_PROMPT]
     got = _prefill(model, state, short).astype(np.float32)
+    result["device_memory"] = device_memory_check(model, sampler)
     state.close()
     result["vram_baseline_mib"] = None if sampler.baseline is None else round(sampler.baseline, 1)
     result["vram_peak_above_baseline_mib"] = sampler.above_baseline()
@@ -399,6 +402,27 @@ def measure(bundle: Path, providers: list[str] | None = None) -> dict[str, Any]:
     }
     result["cpu_nodes_note"] = notes[0] if notes else None
     return result
+
+
+def device_memory_check(model, sampler: VramSampler) -> dict[str, Any] | None:
+    """What `edgec serve` budgets a GPU bundle by, on the real GPU: the runtime's reading of the GPU
+    (``Model.device_memory``: cudaMemGetInfo, or the driver in the CUDA provider's context) beside NVML's, and the
+    device memory one more cache state takes against its price (``Model.session_bytes``). None on host states."""
+    before = model.device_memory()
+    if before is None:
+        return None
+    extra = model._backend.open_state()
+    after = model.device_memory()
+    extra.close()
+    nvml_used = sampler.read() if sampler.read else None
+    return {
+        "free_mib": round(before[0] / 2**20, 1),
+        "total_mib": round(before[1] / 2**20, 1),
+        "used_mib": round((before[1] - before[0]) / 2**20, 1),
+        "nvml_used_mib": None if nvml_used is None else round(nvml_used, 1),
+        "state_bytes_taken": int(before[0] - after[0]) if after is not None else None,
+        "state_bytes_priced": int(model.session_bytes()),
+    }
 
 
 def _text() -> str:
@@ -450,6 +474,13 @@ def table(gpu: Gpu, trials: list[Trial]) -> str:
             lines.append("  ".join("-" * width for width in widths))
     lines += [f"{t.entry.bundle}: {t.status}: {t.reason}" for t in trials if t.reason]
     lines += [f"{t.entry.bundle}: {t.result['cpu_nodes_note']}" for t in trials if t.result.get("cpu_nodes_note")]
+    for trial in trials:
+        if memory := trial.result.get("device_memory"):
+            lines.append(
+                f"{trial.entry.bundle}: the runtime reads {memory['used_mib']:,.0f} of {memory['total_mib']:,.0f} MiB "
+                f"in use (NVML {memory['nvml_used_mib']}); one more cache state took {memory['state_bytes_taken']:,} "
+                f"bytes of the GPU, priced {memory['state_bytes_priced']:,} (edgec serve's budget)"
+            )
     return "\n".join(lines)
 
 

@@ -123,12 +123,20 @@ def test_the_report_names_every_measurement_and_failure():
         },
         "logits_vs_ort_cpu": {"max_abs_diff": 0.0123, "top1_same": True},
         "cpu_nodes_note": "note: CUDAExecutionProvider left 3 node(s) of model.onnx to the CPU (Shape ×3)",
+        "device_memory": {
+            "used_mib": 1210.0,
+            "total_mib": 143771.0,
+            "nvml_used_mib": 1212.0,
+            "state_bytes_taken": 3145728,
+            "state_bytes_priced": 3100000,
+        },
     }
     trials = [check.Trial(entries[0], "ok", result=measured), check.Trial(entries[1], "failed", "timed out after 9 s")]
     text = check.table(H200, trials)
     assert "41,234 tok/s" in text and "310 tok/s" in text and "20,000 tok/s" in text and "812" in text
     assert "0.0123 (top-1 same)" in text and "smollm2.rtx3060.edgec: failed: timed out after 9 s" in text
     assert "left 3 node(s)" in text
+    assert "reads 1,210 of 143,771 MiB in use (NVML 1212.0)" in text and "took 3,145,728 bytes" in text
     record = trials[0].to_json()
     assert record["status"] == "ok" and record["backend"] == "ORT CUDA" and record["lengths"]["1024"]
 
@@ -177,6 +185,7 @@ def test_prepare_then_check_end_to_end_on_the_cpu(long_tiny_llama, tmp_path):
     assert result["lengths"]["1024"]["prefill_tok_s"] > 0 and result["lengths"]["1024"]["decode_tok_s"] > 0
     assert result["logits_vs_ort_cpu"] == {"prompt_tokens": 32, "max_abs_diff": 0.0, "top1_same": True}
     assert result["vram_peak_above_baseline_mib"] is None  # no GPU to read here: said, not made up
+    assert result["device_memory"] is None  # the CPU provider's states live in host memory
     assert report["total_s"] < report["budget_s"] and "smollm2-2k.cuda.edgec" in done.stdout
 
 
@@ -204,6 +213,9 @@ def test_a_tensorrt_rtx_bundle_is_measured_through_the_stand_ins(rtx_bundle, fak
     assert result["providers"] == ["TensorRT-RTX"]
     assert set(result["lengths"]) == {"48"} and result["lengths"]["48"]["decode_tokens"] == 8
     assert result["logits_vs_ort_cpu"]["max_abs_diff"] == 0.0 and result["logits_vs_ort_cpu"]["top1_same"]
+    # what edgec serve budgets by: one more state takes exactly its price on the (fake) device
+    memory = result["device_memory"]
+    assert memory["state_bytes_taken"] == memory["state_bytes_priced"] > 0 and memory["total_mib"] > 0
 
 
 @pytest.mark.slow  # pip installs every wheel into a fresh venv: the slow tier
