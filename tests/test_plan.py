@@ -377,3 +377,20 @@ def test_a_tied_float_table_counts_twice_in_one_cpu_session():
     quantized = Settings("int4", "fp32", 4096, split_activations=False)
     assert estimate(tied, cpu, quantized).weights_bytes == int(tied.parameters() * (0.5 + 2.5 / 32))
     assert estimate(tied, load_target("rtx3060"), Settings("fp16", "fp16", 4096)).weights_bytes == tied.parameters() * 2
+
+
+def test_slots_stored_narrower_than_float_cost_their_dequantized_copies_at_the_attention():
+    """An `end` prompt over int8 slots dequantizes each layer's attended past (the whole prompt) to float32 and the
+    attention kernel writes its presents beside it: two float copies of k and v that fp32 slots (read in place) and
+    a plain cache do not make. Measured peaks were planned at 0.83 of measured without it (docs/planner.md)."""
+    shape, cpu = model_shape("smollm2-135m"), load_target("cpu")
+
+    def activations(kv: str, compress: str = "end") -> int:
+        settings = Settings("int4", kv, 8000, capacity_fraction=1024 / 8000, prefill_compress=compress)
+        return estimate(shape, cpu, settings).activation_bytes
+
+    per_token = 2 * shape.kv_heads * shape.head_dim * (4 + 4)  # k and v, dequantized and present, float32
+    scores = 4 * 512 * shape.heads * (8000 - 1024)  # the chunk's scores span the whole prompt, not the slots
+    assert activations("int8") - activations("fp32") == 8000 * per_token
+    assert activations("int8", "chunk") - activations("fp32", "chunk") == 1024 * per_token  # only the slots
+    assert activations("int8") - activations("int8", "chunk") == 6976 * per_token + scores
