@@ -247,10 +247,12 @@ def estimate(model: ModelShape, target: Target, settings: Settings, concessions:
     # one layer's transients during a prefill chunk (hidden states, MLP, attention scores) + the logits row
     attended = settings.context if whole else settings.capacity
     activation = compute * chunk * (8 * model.hidden + 3 * model.intermediate + model.heads * attended)
-    if compressed and settings.kv != "fp32":
-        # slots stored narrower than float32 are read by dequantizing a layer's attended slots (the op's Cast to
-        # float32): at the attention kernel its k and v are there twice, as those copies and as the kernel's present
-        # outputs (fp32 slots are read in place). SmolLM2 int8 slots, an 8,000-token `end` prompt: 23 MiB
+    if compressed and settings.kv != "fp32" and target.abilities.attention == "gqa":
+        # ONNX Runtime running the op node by node: slots stored narrower than float32 are read by dequantizing a
+        # layer's attended slots (the op's Cast to float32), and at GroupQueryAttention its k and v are there twice,
+        # as those copies and as the kernel's present outputs (fp32 slots are read in place). SmolLM2 int8 slots,
+        # an 8,000-token `end` prompt: 23 MiB. (Engines that compile the op — TensorRT-RTX, OpenVINO, CANN — fuse
+        # what they fuse: not counted, not measured.)
         activation += 2 * attended * model.kv_heads * model.head_dim * (4 + compute)
     activation += 4 * model.vocab * (chunk if target.static_shapes else 1)
     return Estimate(model, target, settings, weights, kv, int(activation), concessions, int(prompt_state), copies)

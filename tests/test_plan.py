@@ -394,3 +394,13 @@ def test_slots_stored_narrower_than_float_cost_their_dequantized_copies_at_the_a
     assert activations("int8") - activations("fp32") == 8000 * per_token
     assert activations("int8", "chunk") - activations("fp32", "chunk") == 1024 * per_token  # only the slots
     assert activations("int8") - activations("int8", "chunk") == 6976 * per_token + scores
+
+
+def test_engines_that_compile_the_op_are_not_charged_the_dequantized_copies():
+    import dataclasses
+
+    shape, rtx = model_shape("smollm2-135m"), load_target("rtx3060")
+    as_gqa = dataclasses.replace(rtx, abilities=dataclasses.replace(rtx.abilities, attention="gqa"))
+    settings = Settings("int4", "int8", 8000, capacity_fraction=1024 / 8000)
+    charged = estimate(shape, as_gqa, settings).activation_bytes - estimate(shape, rtx, settings).activation_bytes
+    assert charged == 8000 * 2 * shape.kv_heads * shape.head_dim * (4 + 2)  # float32 copies, fp16 presents
