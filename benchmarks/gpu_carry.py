@@ -112,6 +112,10 @@ if [ ! -f "$work/unpacked" ]; then
   touch "$work/unpacked"
   rm -rf "$work/parts"
 fi
+# onnxruntime's preload_dlls looks for the CUDA wheels beside itself (site/nvidia): point that at the image's own
+find="import glob, site; print(([d for r in site.getsitepackages() for d in glob.glob(r + '/nvidia')] + [''])[0])"
+nvidia=$(python3 -c "$find" 2>/dev/null)
+if [ -n "$nvidia" ] && [ ! -e "$work/site/nvidia" ]; then ln -s "$nvidia" "$work/site/nvidia"; fi
 export PYTHONPATH="$work/site:$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())"
 python3 "$repo/benchmarks/gpu_check.py" --pack "$work/gpu-pack" --work "$work/check" --no-install \
