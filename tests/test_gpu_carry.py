@@ -35,18 +35,22 @@ def pack_and_wheel(tmp_path):
     return pack, wheel
 
 
-def _call(device_repo: Path, carried: list[Path], work: Path, out: Path) -> subprocess.CompletedProcess:
-    """One device call: the named paths replace theirs in the working tree, then the same command runs."""
+def _call(
+    device_repo: Path, carried: list[Path], work: Path, out: Path, python_dir: Path | None = None
+) -> subprocess.CompletedProcess:
+    """One device call: the named paths replace theirs in the working tree, then the same command runs
+    (``python_dir``: where the device's python3 is; by default this Python's)."""
     for path in carried:
         target = device_repo / ".carry" / path.name
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(path, target)
     (device_repo / "benchmarks").mkdir(exist_ok=True)
     shutil.copy2(ROOT / "benchmarks" / "gpu_check.py", device_repo / "benchmarks" / "gpu_check.py")
-    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "EDGEC_CARRY_WORK": str(work), "OUT": str(out)}
+    python_dir = python_dir or Path(sys.executable).parent
+    env = {"PATH": f"{python_dir}:/usr/bin:/bin", "EDGEC_CARRY_WORK": str(work), "OUT": str(out)}
     if shutil.which("nvidia-smi", path=env["PATH"]):
         pytest.skip("a GPU machine: the check would run for real")
-    python3 = Path(sys.executable).parent / "python3"
+    python3 = python_dir / "python3"
     if not python3.exists():
         pytest.skip("no python3 beside this Python")
     return subprocess.run(["bash", ".carry/receive/receive.sh"], cwd=device_repo, env=env, capture_output=True,
@@ -96,3 +100,19 @@ def test_bad_inputs_are_one_line(pack_and_wheel, tmp_path, capsys):
     assert carry.main(["--pack", str(pack), "--wheel", str(not_a_wheel), "--out", str(tmp_path / "c")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {not_a_wheel} is not a wheel"
     assert not (tmp_path / "c").exists()
+
+
+def test_the_image_s_cuda_wheels_are_linked_where_onnxruntime_looks_first(pack_and_wheel, tmp_path):
+    """onnxruntime-gpu's preload_dlls looks for the nvidia-* wheels beside itself: the device's own (in its Python's
+    site-packages) are linked there."""
+    pack, wheel = pack_and_wheel
+    image = tmp_path / "image-python"  # a Python whose site-packages hold the CUDA wheels, as the H200 image's does
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(image)], check=True, timeout=120)
+    [site] = image.glob("lib/python3*/site-packages")
+    (site / "nvidia" / "cu13" / "lib").mkdir(parents=True)
+    [part] = carry.carry(pack, wheel, tmp_path / "carry", part_bytes=10**7, budget=300)
+    device, work = tmp_path / "device-repo", tmp_path / "work"
+    device.mkdir()
+    done = _call(device, [tmp_path / "carry" / "receive", part.parent], work, tmp_path / "out", image / "bin")
+    assert (work / "site" / "nvidia").is_symlink() and (work / "site" / "nvidia" / "cu13" / "lib").is_dir()
+    assert "onnxruntime carried" in done.stdout
