@@ -318,7 +318,7 @@ def test_edgec_serve_budgets_the_gpu_that_holds_the_sessions(compressed_rtx_bund
     sessions against what is free there: as many as the device holds beside the server's headroom, not one more."""
     import asyncio
 
-    from edgec.serve import load_server
+    from edgec.serve import load_server, start_line
     from edgec.serve.memory import HEADROOM
     from edgec.serve.scheduler import Busy
 
@@ -332,6 +332,9 @@ def test_edgec_serve_budgets_the_gpu_that_holds_the_sessions(compressed_rtx_bund
     memory = server.memory
     assert memory.budget_on == "gpu" and memory.device_used == cudart.used_bytes() == 0  # the warm-up's state freed
     assert memory.session_budget == memory.device_total - memory.device_used - HEADROOM
+    line = start_line(server, "127.0.0.1", 8000)
+    assert f"{memory.session_budget / 2**20:,.0f} MiB of GPU memory for sessions' caches" in line
+    assert "0 of 32 MiB in use on the GPU after the warm-up" in line and "up to 8 sessions" in line
 
     async def admit_all():
         tickets = []

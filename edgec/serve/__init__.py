@@ -62,6 +62,24 @@ def load_server(
     return Server(model, name, server_memory, max_sessions, queue_size, capacities, longest)
 
 
+def start_line(server, host: str, port: int) -> str:
+    """What ``edgec serve`` says once it is measured: where, what the model takes, the sessions' budget (GPU memory
+    for a GPU bundle, with what the GPU has in use), and the admission limits."""
+    memory, scheduler = server.memory, server.scheduler
+    budget = memory.session_budget
+    room = "no --memory limit" if budget is None else f"{budget / 2**20:,.0f} MiB for sessions' caches"
+    if memory.budget_on == "gpu":
+        room = (
+            f"{budget / 2**20:,.0f} MiB of GPU memory for sessions' caches, {memory.device_used / 2**20:,.0f} of "
+            f"{memory.device_total / 2**20:,.0f} MiB in use on the GPU after the warm-up"
+        )
+    sizes = ", ".join("full" if c is None else str(c) for c in scheduler.capacities)
+    return (
+        f"serving {server.name} at http://{host}:{port}/v1 (model {memory.model_bytes / 2**20:,.0f} MiB resident; "
+        f"{room}; up to {scheduler.max_sessions} sessions, cache capacities {sizes}; queue {scheduler.queue_size})"
+    )
+
+
 def _check_address(host: str, port: int) -> None:
     import socket
 
@@ -91,13 +109,5 @@ def serve(
 
     _check_address(host, port)  # before the model loads: a busy port is one error line, not a late log
     server = load_server(bundle, max_sessions, memory, queue_size, threads, max_prompt_tokens, echo)
-    budget = server.memory.session_budget
-    room = "no --memory limit" if budget is None else f"{budget / 2**20:,.0f} MiB for sessions' caches"
-    if server.memory.budget_on == "gpu":
-        room = f"{budget / 2**20:,.0f} MiB of GPU memory for sessions' caches"
-    sizes = ", ".join("full" if c is None else str(c) for c in server.scheduler.capacities)
-    echo(
-        f"serving {server.name} at http://{host}:{port}/v1 (model {server.memory.model_bytes / 2**20:,.0f} MiB "
-        f"resident; {room}; up to {max_sessions} sessions, cache capacities {sizes}; queue {queue_size})"
-    )
+    echo(start_line(server, host, port))
     uvicorn.run(create_app(server), host=host, port=port, log_level="warning")

@@ -192,3 +192,24 @@ def test_measure_reads_the_gpu_after_the_warm_up_and_says_when_one_session_canno
     with pytest.raises(BuildSettingsError, match=r"^the GPU has 40 MiB free after loading the model \(8152 of 8192"):
         measure(_StubModel((40 * 2**20, 8 * gib)), None, 64 * 2**20, prompt_tokens=1)
     assert measure(_StubModel(None), None, 64 * 2**20, prompt_tokens=1).budget_on == "host"
+
+
+def test_the_start_line_names_the_budget_and_where_it_lies():
+    from types import SimpleNamespace
+
+    from edgec.serve import start_line
+    from edgec.serve.memory import ServerMemory
+
+    scheduler = SimpleNamespace(capacities=[None, 1024, 512], max_sessions=4, queue_size=2)
+    host = SimpleNamespace(name="smol", scheduler=scheduler, memory=ServerMemory(2 * 2**30, 600 * 2**20, 100 * 2**20))
+    line = start_line(host, "127.0.0.1", 8000)
+    assert line == (
+        "serving smol at http://127.0.0.1:8000/v1 (model 600 MiB resident; 1,416 MiB for sessions' caches; up to 4 "
+        "sessions, cache capacities full, 1024, 512; queue 2)"
+    )
+    gpu = SimpleNamespace(name="smol", scheduler=scheduler, memory=ServerMemory(None, 300 * 2**20, 1, 8 * 2**30, 2**30))
+    assert "7,136 MiB of GPU memory for sessions' caches, 1,024 of 8,192 MiB in use on the GPU" in start_line(
+        gpu, "0.0.0.0", 80
+    )
+    unlimited = SimpleNamespace(name="smol", scheduler=scheduler, memory=ServerMemory(None, 300 * 2**20, 1))
+    assert "; no --memory limit;" in start_line(unlimited, "h", 1)
