@@ -19,7 +19,6 @@ onnxruntime-gpu's files as its wheel holds them, put first on PYTHONPATH there.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import lzma
 import shutil
 import subprocess
@@ -27,6 +26,8 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
+
+from edgec.bundle import sha256_file
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -132,14 +133,6 @@ def write_receive(out: Path, parts: int, sha256: str, budget: float) -> Path:
     return script
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while block := stream.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def carry(pack: Path, wheel: Path, out: Path, part_bytes: int, budget: float) -> list[Path]:
     if not (pack / "PREPARED.json").is_file():
         raise CarryError(f"{pack} holds no PREPARED.json: make it with benchmarks/gpu_prepare.py --no-wheels")
@@ -151,7 +144,7 @@ def carry(pack: Path, wheel: Path, out: Path, part_bytes: int, budget: float) ->
     stream = staging / "stream.tar.xz"
     write_stream(pack, wheel, stream)
     parts = cut(stream, staging, part_bytes)
-    write_receive(staging, len(parts), sha256_of(stream), budget)
+    write_receive(staging, len(parts), sha256_file(stream), budget)
     stream.unlink()
     shutil.rmtree(out, ignore_errors=True)
     staging.replace(out)

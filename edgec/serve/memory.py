@@ -67,10 +67,9 @@ def measure(model: Model, limit: int | None, smallest_session: int, prompt_token
     warm_up(model, prompt_tokens)
     files = model.manifest["files"]
     weights = sum(entry["size"] for name, entry in files.items() if name.endswith((".data", ".onnx", ".trt")))
-    device = model.device_memory()
-    if device is not None:  # the warm-up's state, kept for reuse, is a session's: not the model's memory
+    if model.device_memory() is not None:  # the warm-up's state, kept for reuse, is a session's: not the model's
         model.close_idle_states()
-        device = model.device_memory()
+    device = model.device_memory()
     if device is None:
         memory = ServerMemory(limit, resident_bytes(), weights)
     else:
