@@ -61,7 +61,9 @@ def expose_decode_present(path: Path, spec: CacheSpec, context: int = 0) -> int:
     runtime binds to the k/v state's own buffers: the kernel then reads and writes the slots in place (its
     static-cache mode) instead of copying every slot into a fresh present each step. The op's function is
     inlined first (an output inside a function cannot be bound; ONNX Runtime inlines it at load anyway), and
-    with ``context`` > 0 the model's head split and RoPE are folded into each kernel (``fold_decode_rotary``).
+    with ``context`` > 0 the model's head split and RoPE are folded into each kernel (``fold_decode_rotary``);
+    the windowless layers share one bias (``share_decode_bias``) and one eviction (``batch_decode_evictions``), and
+    all read one slot count (``share_slot_count``).
     Rewrites ``path`` (temp file + rename; weights stay references); returns how many presents it exposed."""
     import onnx_ir as ir
     import onnx_ir.passes.common
@@ -71,6 +73,10 @@ def expose_decode_present(path: Path, spec: CacheSpec, context: int = 0) -> int:
     if context:
         fold_decode_rotary(model, context)
     share_decode_bias(model, spec)
+    batched = batch_decode_evictions(model, spec)
+    if share_slot_count(model) or batched:
+        onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
+        onnx_ir.passes.common.TopologicalSortPass()(model)
     return _expose_presents(model, path, spec, _is_decode_kernel, "decode kernel")
 
 
@@ -222,14 +228,18 @@ def share_decode_bias(model: Any, spec: CacheSpec) -> int:
     heads). Without a window a layer's bias only hides its empty slots, and those are the same in every head
     and every such layer: each step writes one token into every head of every layer, empty slots fill lowest
     first, a prompt's chunks fill them in order and an ``end`` prompt's selection fills them all. The layers
-    with a window keep their own. Returns how many kernels take the shared bias."""
+    with a window keep their own, and so do all layers under a policy that prunes (``adaptive`` empties slots per
+    head and layer). Returns how many kernels take the shared bias."""
     import onnx_ir as ir
     import onnx_ir.passes.common
 
+    from edgec.kvcache import policies
     from edgec.kvcache.spec import StateTensor
     from edgec.passes.kv_attention_gqa import _i64
 
     graph = model.graph
+    if spec.compression is not None and policies.get(spec.compression.policy).prunes:
+        return 0  # a pruning policy empties slots per head and layer: each layer's bias is its own
     global_layers = [layer.layer for layer in spec.layers if layer.compressed and not layer.window]
     windowless = {StateTensor(layer, "k").input: layer for layer in global_layers}
     inputs = {value.name: value for value in graph.inputs}
@@ -259,6 +269,222 @@ def share_decode_bias(model: Any, spec: CacheSpec) -> int:
         kernel.replace_input_with(10, bias)
     onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
     return len(kernels)
+
+
+def batch_decode_evictions(model: Any, spec: CacheSpec) -> int:
+    """In an inlined decode graph, run the one-token eviction of every compressed layer without a sliding window
+    once, over all of them: their slot positions, scores and the kernels' probabilities concatenated along the
+    head axis (layer after layer), then ``_evict_into_weakest`` as the op runs it — the policy's update, the
+    forced slots, ArgMin — for layers × KV heads at once, and each layer's k and v written into its weakest slots
+    by its own ScatterElements, as before. The arithmetic is per KV head, so every result is the same bits; what
+    goes is ~25 small nodes per layer (SmolLM2: ~700 of a step's ~3,200 kernels, ONNX Runtime's per-node cost).
+    The positions and scores are written by one ScatterElements each and split back into the layers' outputs;
+    every reader of those state inputs (the concatenation, the shared bias) stays an ancestor of that write, as
+    the in-place binding requires (the kernels' probabilities, or for a policy that reads none the last kernel's
+    output, order it). Returns how many layers it batched (0: the graph is left as it was)."""
+
+    from edgec.kvcache import compressed_function, policies
+    from edgec.kvcache.onnx_body import Body
+    from edgec.kvcache.spec import StateTensor, output_name
+
+    compression = spec.compression
+    graph = model.graph
+    layers = [layer for layer in spec.layers if layer.compressed and not layer.window]
+    if compression is None or len(layers) < 2 or compression.decode_kernel != "gqa":
+        return 0
+    values = {value.name: value for value in graph.inputs}
+    for node in graph:
+        values.update((output.name, output) for output in node.outputs)
+    kernels = {node.inputs[3].name: node for node in graph if _is_decode_kernel(node) and node.inputs[3] is not None}
+    names = ("k", "v", "pos", "score")
+    writes = {}
+    for layer in layers:
+        kernel = kernels.get(StateTensor(layer.layer, "k").input)
+        outputs = {name: values.get(output_name(layer.layer, name)) for name in names}
+        producers = {name: _through_identity(value) for name, value in outputs.items()}
+        # k and v are written by a scatter whose index this takes over; pos and score are replaced whole
+        written = [producers[name] for name in ("k", "v")]
+        if kernel is None or any(node is None or node.op_type != "ScatterElements" for node in written):
+            return 0
+        if any(producers[name] is None for name in ("pos", "score")):
+            return 0
+        writes[layer.layer] = (kernel, producers)
+    policy = policies.get(compression.policy)
+    query_heads = {writes[layer.layer][0].attributes.get_int("num_heads") for layer in layers}
+    if len(query_heads) > 1 or len({(layer.num_kv_heads, layer.head_dim) for layer in layers}) > 1:
+        return 0  # one head layout for all, so that the concatenation is layers × heads
+    n = len(layers)
+    heads = compressed_function.Heads(query_heads.pop() * n, layers[0].num_kv_heads * n, layers[0].head_dim)
+    b = Body(prefix="evict_all/")
+    pos = b.op("Concat", *[StateTensor(layer.layer, "pos").input for layer in layers], axis=1)  # [B,n·Hkv,C]
+    score = b.op("Concat", *[StateTensor(layer.layer, "score").input for layer in layers], axis=1)
+    capacity = b.shape(pos, 2)
+    total = None
+    if policy.needs:  # the probabilities [B,n·H,1,C+1], summed over each KV head's query heads as _decode_gqa does
+        probs = b.op("Concat", *[writes[layer.layer][0].outputs[3].name for layer in layers], axis=1)
+        rows = b.op("Add", capacity, b.i64([1]))
+        grouped_shape = b.op("Concat", b.i64([0, heads.kv, heads.query // heads.kv]), rows, axis=0)
+        total = b.op("ReduceSum", b.op("Reshape", probs, grouped_shape), b.i64([2]), keepdims=0)
+    position = b.op("Unsqueeze", "position_ids", b.i64([1]))  # [B,1,1]
+    step = compressed_function._Step(capacity, b.op("GreaterOrEqual", pos, b.i64(0)), position)
+    last_out = writes[layers[-1].layer][0].outputs[0].name  # after every kernel: the model's layers are in sequence
+    current = {"k_cache": "k_cache", "v_cache": "v_cache", "pos": pos, "score": score}
+    evicted = compressed_function._evict_into_weakest(
+        b, compression, heads, step, total, current, None, after_all=None if total is not None else last_out
+    )
+    # the k/v writes stay per layer (each layer's buffer, in place); take the index they scatter at: [B,n·Hkv,1,D]
+    kv_scatters = [node for node in b.nodes if node.output[0] in (evicted["k_cache_out"], evicted["v_cache_out"])]
+    slot_index = {node.output[0]: node.input[1] for node in kv_scatters}
+    b.nodes = [node for node in b.nodes if node not in kv_scatters]
+    sizes = b.i64([layer.num_kv_heads for layer in layers])
+    split_names = {}
+    for name, batched in (("k", slot_index[evicted["k_cache_out"]]), ("v", slot_index[evicted["v_cache_out"]])):
+        split_names[name] = b.op("Split", batched, sizes, axis=1, outputs=len(layers))
+    for name in ("pos", "score"):
+        split_names[name] = b.op("Split", evicted[f"{name}_out"], sizes, axis=1, outputs=len(layers))
+    # the Body's formal state names are the graph's batched values; nothing else in it is free
+    free = {"score": score, "pos": pos}
+    for node in b.nodes:
+        node.input[:] = [free.get(name, name) for name in node.input]
+    created = _add_proto_nodes(graph, b.nodes, values)
+    for index, layer in enumerate(layers):
+        _, producers = writes[layer.layer]
+        for name in ("k", "v"):
+            producers[name].replace_input_with(1, created[split_names[name][index]])
+        for name in ("pos", "score"):
+            old = values[output_name(layer.layer, name)]
+            new = created[split_names[name][index]]
+            position_in_outputs = list(graph.outputs).index(old)
+            old_name = old.name
+            old.name = f"{old_name}.per_layer"
+            new.name, new.type, new.shape = old_name, old.type, old.shape
+            graph.outputs[position_in_outputs] = new
+    return len(layers)
+
+
+def _through_identity(value: Any) -> Any:
+    """The node computing ``value``, past any Identity (an inlined function's outputs), or None."""
+    node = value.producer() if value is not None else None
+    while node is not None and node.op_type == "Identity":
+        node = node.inputs[0].producer()
+    return node
+
+
+def _add_proto_nodes(graph: Any, protos: list, values: dict[str, Any]) -> dict[str, Any]:
+    """Append ``protos`` (onnx NodeProtos naming their inputs) to ``graph``, each input the graph's value of that
+    name (``values``, updated with the new outputs; a name it lacks is a bug here, said as one); returns the new
+    outputs by name. The caller sorts the graph afterwards."""
+    import onnx_ir as ir
+
+    created = {}
+    for proto in protos:
+        node = ir.serde.deserialize_node(proto)
+        for index, name in enumerate(proto.input):
+            if name and name not in values:
+                raise ValueError(f"{proto.op_type} reads {name!r}, which the graph lacks")
+            if name:
+                node.replace_input_with(index, values[name])
+        graph.append(node)
+        for output in node.outputs:
+            values[output.name] = output
+            created[output.name] = output
+    return created
+
+
+def share_slot_count(model: Any) -> int:
+    """In an inlined decode graph, read the slot count once per step: each compressed layer's one-token step
+    takes it from its own ``pos`` input's shape (``Shape(cache.L.pos)[2]``, then its C + 1 rows and the kernel's
+    int32 lengths: ~6 nodes per layer that ONNX Runtime runs every step, the dim being symbolic). Every compressed
+    layer's slots are the one symbolic dim ``SLOT_DIM`` (the runtime gives them all one count, ``with_capacity``),
+    so the first such Shape serves every layer, as the first Shape of any other input serves its repeats; the
+    layers' chains, now the same nodes over the same values, are merged (``_merge_repeats``). Returns how many
+    nodes it removed."""
+    import onnx_ir as ir
+
+    from edgec.kvcache.spec import SLOT_DIM
+
+    graph = model.graph
+    kept: dict[tuple, Any] = {}
+    removed = 0
+    for node in list(graph):
+        source = node.inputs[0] if node.op_type == "Shape" and node.domain == "" and node.inputs else None
+        if source is None or not source.is_graph_input():
+            continue
+        start, end = node.attributes.get_int("start", 0), node.attributes.get_int("end", None)
+        dims = list(source.shape)[start:end] if source.shape is not None else []
+        slots = bool(dims) and all(isinstance(dim, ir.SymbolicDim) and dim.value == SLOT_DIM for dim in dims)
+        # a shape never changes during a run, so reading it earlier is safe even for a state written in place
+        key = ("slots", len(dims)) if slots else ("input", source.name, start, end)
+        if key not in kept:
+            kept[key] = node
+            continue
+        ir.convenience.replace_all_uses_with(node.outputs[0], kept[key].outputs[0])
+        graph.remove(node, safe=True)
+        removed += 1
+    if removed:
+        removed += _merge_repeats(graph, [node.outputs[0] for node in kept.values()])
+    return removed
+
+
+def _merge_repeats(graph: Any, roots: list[Any]) -> int:
+    """Merge the nodes computed from ``roots`` and small constants alone that repeat one another (the same op,
+    attributes and inputs), keeping the first, then their results' repeats, and so on. Such nodes read no state
+    buffer, so moving a read earlier cannot cross an in-place write; nodes with subgraphs or outside the standard
+    domain are left alone. Returns how many it removed."""
+    import numpy as np
+    import onnx_ir as ir
+
+    derived = {id(value) for value in roots}
+
+    def small_constant(value: Any) -> tuple | None:
+        producer = value.producer()
+        array = value.const_value.numpy() if value.const_value is not None else None
+        if producer is not None and producer.op_type == "Constant" and producer.domain == "":
+            ((kind, attribute),) = producer.attributes.items()
+            numbers = {"value_int": np.int64, "value_ints": np.int64, "value_float": np.float32}
+            numbers["value_floats"] = np.float32
+            if kind == "value":
+                array = attribute.value.numpy()
+            elif kind in numbers:
+                array = np.asarray(attribute.value, numbers[kind])
+        if array is None or array.size > 16:
+            return None
+        return (array.dtype.str, array.shape, array.tobytes())
+
+    def key(node: Any) -> tuple | None:
+        if node.domain != "" or any(
+            attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()
+        ):
+            return None
+        inputs: list = []
+        for value in node.inputs:
+            if value is None or id(value) in derived:
+                inputs.append(None if value is None else id(value))
+                continue
+            constant = small_constant(value)
+            if constant is None:
+                return None
+            inputs.append(constant)
+        attributes = tuple(sorted((name, repr(attr.value)) for name, attr in node.attributes.items()))
+        return (node.op_type, len(node.outputs), tuple(inputs), attributes)
+
+    seen: dict[tuple, Any] = {}
+    removed = 0
+    for node in list(graph):
+        if not any(value is not None and id(value) in derived for value in node.inputs):
+            continue
+        node_key = key(node)
+        if node_key is None:
+            continue
+        first = seen.setdefault(node_key, node)
+        if first is node or any(output.is_graph_output() for output in node.outputs):
+            derived.update(id(output) for output in node.outputs)
+            continue
+        for old, new in zip(node.outputs, first.outputs, strict=True):
+            ir.convenience.replace_all_uses_with(old, new)
+        graph.remove(node, safe=True)
+        removed += 1
+    return removed
 
 
 def _is_decode_kernel(node: Any) -> bool:

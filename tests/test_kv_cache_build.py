@@ -275,3 +275,30 @@ def test_kernel_decode_equals_the_op_body_with_evictions(tmp_path_factory, tiny_
     restored = small._backend.open_state()
     restored.restore(saved)
     assert all(np.array_equal(restored.arrays()[name], value) for name, value in saved.items())
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "streaming", "adaptive"])
+def test_batched_eviction_equals_the_op_body_for_every_policy(tmp_path_factory, tiny_llama, text_ids, policy):
+    """The decode graph evicts for all compressed layers at once (``prefill_graph.batch_decode_evictions``: one
+    scatter of positions and one of scores over layers × KV heads) and still gives the cpu-portable bundle's
+    tokens and state, for a policy that reads no probabilities (streaming: the writes wait for the last kernel)
+    and one that prunes (adaptive: each layer keeps its own attention bias, ``share_decode_bias``)."""
+    kv = dict(kv_capacity=24, kv_dtype="fp32", kv_policy=policy, kv_window=4)
+    native = _build(tmp_path_factory, tiny_llama, f"batched-{policy}", **kv)
+    portable = tmp_path_factory.mktemp("kv") / f"portable-{policy}.edgec"
+    build(tiny_llama, portable, build_settings(**{**KV, "target": "cpu-portable"}, **kv))
+    decode = onnx.load(str(native / "model.onnx"), load_external_data=False)
+    layers = manifest(native)["model"]["num_layers"]
+    # each layer's k and v written by its own scatter, the positions and scores of all by one each
+    assert [node.op_type for node in decode.graph.node].count("ScatterElements") == 2 * layers + 2
+    fast, reference = Model.load(native), Model.load(portable)
+    prompt = text_ids[:50]
+    assert fast.generate(prompt, max_new_tokens=30) == reference.generate(prompt, max_new_tokens=30)
+    state, other = last_state(fast), last_state(reference)
+    for name, value in state.items():
+        if name.endswith((".k", ".v")):
+            value = value[:, :, :24]
+        if name.endswith(".pos"):
+            np.testing.assert_array_equal(value, other[name])
+        else:
+            np.testing.assert_allclose(value, other[name], atol=2e-4, rtol=1e-4)
