@@ -56,6 +56,11 @@ def write_prefill_graph(
     return {"prefill_file": PREFILL_FILE}
 
 
+# how a decode graph over fp32 slots attends once its evictions are batched: "matmul" (standard ops,
+# decode_kernels_as_matmuls) or "kernel" (GroupQueryAttention); measured in docs/BENCHMARKS.md, "Twentieth round"
+DECODE_ATTENTION = "matmul"
+
+
 def expose_decode_present(path: Path, spec: CacheSpec, context: int = 0) -> int:
     """Make GroupQueryAttention's presents in a decode graph graph outputs (``spec.present_name``), which the
     runtime binds to the k/v state's own buffers: the kernel then reads and writes the slots in place (its
@@ -74,10 +79,14 @@ def expose_decode_present(path: Path, spec: CacheSpec, context: int = 0) -> int:
         fold_decode_rotary(model, context)
     share_decode_bias(model, spec)
     batched = batch_decode_evictions(model, spec)
+    exposed = _expose_presents(model, path, spec, _is_decode_kernel, "decode kernel", save=False)
+    if batched and DECODE_ATTENTION == "matmul":
+        decode_kernels_as_matmuls(model, spec)
     if share_slot_count(model) or batched:
         onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
         onnx_ir.passes.common.TopologicalSortPass()(model)
-    return _expose_presents(model, path, spec, _is_decode_kernel, "decode kernel")
+    _save_over(model, path)
+    return exposed
 
 
 def expose_chunk_present(path: Path, spec: CacheSpec) -> int:
@@ -98,12 +107,11 @@ def expose_chunk_present(path: Path, spec: CacheSpec) -> int:
     return _expose_presents(ir.load(path), path, spec, _is_chunk_kernel, "chunk kernel")
 
 
-def _expose_presents(model: Any, path: Path, spec: CacheSpec, is_kernel: Any, kind: str) -> int:
+def _expose_presents(model: Any, path: Path, spec: CacheSpec, is_kernel: Any, kind: str, save: bool = True) -> int:
     """In an inlined graph, make the presents of each ``is_kernel`` node that reads a compressed layer's k/v
-    state input as its past graph outputs (``spec.present_name``); save ``model`` over ``path`` (temp file +
-    rename); returns how many. Every compressed k/v must be found: a layer left copying its slots would be slow,
-    never wrong, so it is said at build time."""
-    import onnx_ir as ir
+    state input as its past graph outputs (``spec.present_name``); with ``save``, save ``model`` over ``path``
+    (``_save_over``); returns how many. Every compressed k/v must be found: a layer left copying its slots would
+    be slow, never wrong, so it is said at build time."""
 
     from edgec.kvcache.spec import StateTensor, present_name
 
@@ -130,10 +138,18 @@ def _expose_presents(model: Any, path: Path, spec: CacheSpec, is_kernel: Any, ki
             exposed += 1
     if exposed != len(pasts):
         raise RuntimeError(f"{path.name}: {exposed} of {len(pasts)} k/v slot buffers are read by the {kind}")
+    if save:
+        _save_over(model, path)
+    return exposed
+
+
+def _save_over(model: Any, path: Path) -> None:
+    """Save ``model`` over ``path``: a temporary file, then a rename (its weights stay references)."""
+    import onnx_ir as ir
+
     temporary = path.with_name(f"{path.name}.present")
     ir.save(model, temporary)
     temporary.replace(path)
-    return exposed
 
 
 def _has_state_kernel(model: Any) -> bool:
@@ -329,8 +345,10 @@ def batch_decode_evictions(model: Any, spec: CacheSpec) -> int:
     step = compressed_function._Step(capacity, b.op("GreaterOrEqual", pos, b.i64(0)), position)
     last_out = writes[layers[-1].layer][0].outputs[0].name  # after every kernel: the model's layers are in sequence
     current = {"k_cache": "k_cache", "v_cache": "v_cache", "pos": pos, "score": score}
+    # the v writes wait for the last layer's attention output: v may be read in place by standard ops
+    # (decode_kernels_as_matmuls), whose product with the probabilities is not an ancestor of the ArgMin
     evicted = compressed_function._evict_into_weakest(
-        b, compression, heads, step, total, current, None, after_all=None if total is not None else last_out
+        b, compression, heads, step, total, current, last_out, after_all=None if total is not None else last_out
     )
     # the k/v writes stay per layer (each layer's buffer, in place); take the index they scatter at: [B,n·Hkv,1,D]
     kv_scatters = [node for node in b.nodes if node.output[0] in (evicted["k_cache_out"], evicted["v_cache_out"])]
@@ -360,6 +378,89 @@ def batch_decode_evictions(model: Any, spec: CacheSpec) -> int:
             new.name, new.type, new.shape = old_name, old.type, old.shape
             graph.outputs[position_in_outputs] = new
     return len(layers)
+
+
+def decode_kernels_as_matmuls(model: Any, spec: CacheSpec) -> int:
+    """In an inlined decode graph whose evictions are batched (``batch_decode_evictions``: every write of the
+    slots waits for the last layer's attention output), replace each windowless compressed layer's
+    GroupQueryAttention by the same attention in standard ops over the same buffers: the token's k and v
+    scattered into the spare row (in place: they take over the kernel's presents, which the runtime binds to the
+    state's buffers), then ``softmax(q·Kᵀ·scale + bias)·V`` with the query heads of each KV head as the rows of one
+    product — the kernel runs one product per query head, re-reading each KV head's slots per query head (one
+    layer over 1,025 fp32 rows, SmolLM2's heads: 0.69× the kernel's time at 1 thread, 0.81× at 2,
+    ``benchmarks/decode_attention.py``). Where the kernel rotated q and k itself (``do_rotary``), two
+    RotaryEmbeddings over the same tables do. A kernel with softcap, a local window or smooth softmax is kept.
+    Returns how many kernels it replaced."""
+    import numpy as np
+    import onnx_ir as ir
+
+    from edgec.kvcache.spec import StateTensor
+    from edgec.passes._graph import take_over
+    from edgec.passes.kv_attention_gqa import _i64
+
+    graph = model.graph
+    layers = {StateTensor(layer.layer, "k").input for layer in spec.layers if layer.compressed and not layer.window}
+    replaced = 0
+    for node in list(graph):
+        if not _is_decode_kernel(node) or node.inputs[3] is None or node.inputs[3].name not in layers:
+            continue
+        attributes = node.attributes
+        if any(attributes.get_float(name, 0.0) for name in ("softcap",)) or any(
+            attributes.get_int(name, default) != default
+            for name, default in (("local_window_size", -1), ("smooth_softmax", 0), ("rotary_interleaved", 0))
+        ):
+            continue
+        shape = node.inputs[3].shape
+        dim = shape[3] if shape is not None else None
+        if not isinstance(dim, int) or len(node.inputs) < 11:
+            continue
+        heads, kv_heads = attributes.get_int("num_heads"), attributes.get_int("kv_num_heads")
+        group = heads // kv_heads
+        scale = attributes.get_float("scale", 0.0) or 1.0 / float(np.sqrt(dim))
+        tape = ir.tape.Tape(graph_like=graph)
+        q, k, v = node.inputs[:3]
+        if attributes.get_int("do_rotary", 0):  # q, k, v packed in input 0; rotate q and k as the kernel would
+            widths = _i64(tape, [heads * dim, kv_heads * dim, kv_heads * dim])
+            q, k, v = tape.op_multi_out("Split", [node.inputs[0], widths], attributes={"axis": -1}, num_outputs=3)
+            cos, sin, position_ids = node.inputs[7], node.inputs[8], node.inputs[9]
+            q = tape.op(
+                "RotaryEmbedding", [q, position_ids, cos, sin], attributes={"num_heads": heads}, domain="com.microsoft"
+            )
+            k = tape.op(
+                "RotaryEmbedding",
+                [k, position_ids, cos, sin],
+                attributes={"num_heads": kv_heads},
+                domain="com.microsoft",
+            )
+        # one token: [B,1,N·D] is [B,Hkv,G,D] (q) and [B,Hkv,1,D] (k, v) in memory already
+        queries = tape.op("Reshape", [q, _i64(tape, [0, kv_heads, group, dim])])
+        key_row = tape.op("Reshape", [k, _i64(tape, [0, kv_heads, 1, dim])])
+        value_row = tape.op("Reshape", [v, _i64(tape, [0, kv_heads, 1, dim])])
+        # the spare row's index (seqlens_k: the slot count C), as the kernel's static-cache mode writes it
+        spare = tape.op("Cast", [node.inputs[5]], attributes={"to": ir.DataType.INT64})
+        spare = tape.op("Reshape", [spare, _i64(tape, [-1, 1, 1, 1])])
+        spare = tape.op("Expand", [spare, _i64(tape, [1, kv_heads, 1, dim])])
+        keys = tape.op("ScatterElements", [node.inputs[3], spare, key_row], attributes={"axis": 2})
+        values = tape.op("ScatterElements", [node.inputs[4], spare, value_row], attributes={"axis": 2})
+        keys_t = tape.op("Transpose", [keys], attributes={"perm": [0, 1, 3, 2]})
+        scores = tape.op("MatMul", [queries, keys_t])  # [B,Hkv,G,C+1]
+        scale_value = tape.op("Constant", [], attributes={"value": ir.tensor(np.float32(scale))})
+        scores = tape.op("Mul", [scores, scale_value])
+        # per query head, [B,H,1,C+1], as the kernel takes its bias ([B,1,1,C+1] shared or [B,H,1,C+1]) and
+        # returns its probabilities
+        scores = tape.op("Reshape", [scores, _i64(tape, [0, heads, 1, -1])])
+        if node.inputs[10] is not None:
+            scores = tape.op("Add", [scores, node.inputs[10]])
+        probs = tape.op("Softmax", [scores], attributes={"axis": -1})
+        grouped = tape.op("Reshape", [probs, _i64(tape, [0, kv_heads, group, -1])])
+        context = tape.op("MatMul", [grouped, values])  # [B,Hkv,G,D]
+        out = tape.op("Reshape", [context, _i64(tape, [0, 1, heads * dim])])
+        graph.insert_before(node, tape.nodes)
+        for old, new in zip(node.outputs, (out, keys, values, probs), strict=True):
+            take_over(old, new)
+        graph.remove(node, safe=True)
+        replaced += 1
+    return replaced
 
 
 def _through_identity(value: Any) -> Any:

@@ -23,6 +23,41 @@ def last_state(model: Model) -> dict[str, np.ndarray]:
     return model._idle[-1].arrays()
 
 
+def assert_reads_precede_in_place_writes(graph: onnx.GraphProto) -> None:
+    """Every state output the runtime binds to its input's buffer (``new_cache.*``, ``present.*``) is written by a
+    ScatterElements (behind Identities) whose data every other reader has read before: each such reader is an
+    ancestor of the write. A reader that is not could run after the buffer changed under it."""
+    producers = {output: node for node in graph.node for output in node.output}
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+
+    def ancestors(node) -> set[int]:
+        seen, stack = set(), list(node.input)
+        while stack:
+            producer = producers.get(stack.pop())
+            if producer is not None and id(producer) not in seen:
+                seen.add(id(producer))
+                stack.extend(producer.input)
+        return seen
+
+    checked = 0
+    for output in graph.output:
+        if not output.name.startswith(("new_cache.", "present.")):
+            continue
+        writer = producers.get(output.name)
+        while writer is not None and writer.op_type == "Identity":
+            writer = producers.get(writer.input[0])
+        if writer is None or writer.op_type != "ScatterElements":
+            continue
+        before = ancestors(writer)
+        for reader in readers.get(writer.input[0], []):
+            assert reader is writer or id(reader) in before, (output.name, reader.op_type, reader.name)
+        checked += 1
+    assert checked
+
+
 @pytest.fixture(scope="module")
 def text_ids(tiny_bundle):
     return Model.load(tiny_bundle).encode(pydoc_text()[:4000])[:120]
@@ -38,20 +73,20 @@ def test_full_capacity_fp32_equals_uncompressed(tmp_path_factory, tiny_llama, ti
     bundle = _build(tmp_path_factory, tiny_llama, "full", kv_capacity=128, kv_dtype="fp32", kv_policy="h2o")
     layers = manifest(bundle)["model"]["num_layers"]
     # fp32 slots on a CPU target: prompt chunks run the op's general body (prefill.onnx, inlined: its kernel over
-    # the state has its presents as graph outputs), one-token steps GroupQueryAttention over the slots in place
-    # (model.onnx, the op inlined, each kernel's present a graph output: decode_kernel gqa)
+    # the state has its presents as graph outputs), one-token steps read the slots in place (model.onnx, the op
+    # inlined, the token's k/v written into the spare row as graph outputs the runtime binds: decode_kernel gqa)
     assert manifest(bundle)["cache"]["compression"]["decode_kernel"] == "gqa"
     chunks = onnx.load(bundle / "prefill.onnx", load_external_data=False).graph
     assert "CompressedKVAttention" not in {node.op_type for node in chunks.node}
     chunk_presents = {output.name for output in chunks.output if output.name.startswith("present.")}
     assert chunk_presents == {f"present.{layer}.{name}" for layer in range(layers) for name in ("k", "v")}
     decode = onnx.load(bundle / "model.onnx", load_external_data=False).graph
-    kernels = [node for node in decode.node if node.op_type == "GroupQueryAttention"]
-    assert len(kernels) == layers
-    # the model's head split and RoPE folded into each kernel (prefill_graph.fold_decode_rotary): it reads the
-    # packed projection and rotates with tables for every position up to the context (+1: the spare row)
-    assert "RotaryEmbedding" not in {node.op_type for node in decode.node}
-    assert all(onnx.helper.get_node_attr_value(node, "do_rotary") == 1 for node in kernels)
+    # the model's head split and RoPE folded into the packed projection (prefill_graph.fold_decode_rotary), then
+    # the attention as standard ops (decode_kernels_as_matmuls): q and k rotated by RotaryEmbedding with tables
+    # for every position up to the context (+1: the spare row), no GroupQueryAttention left
+    assert "GroupQueryAttention" not in {node.op_type for node in decode.node}
+    rotary = [node for node in decode.node if node.op_type == "RotaryEmbedding"]
+    assert len(rotary) == 2 * layers and all(node.input[2].startswith("decode_rope") for node in rotary)
     tables = {tensor.name: tensor.dims for tensor in decode.initializer if tensor.name.startswith("decode_rope")}
     assert tables and all(dims[0] == KV["context"] + 1 for dims in tables.values())
     presents = {output.name for output in decode.output if output.name.startswith("present.")}
@@ -240,6 +275,7 @@ def test_kernel_decode_equals_the_op_body_with_evictions(tmp_path_factory, tiny_
     assert manifest(native)["cache"]["compression"]["decode_kernel"] == "gqa"
     assert "decode_kernel" not in manifest(portable)["cache"]["compression"]
     assert manifest_errors(manifest(native)) == []
+    assert_reads_precede_in_place_writes(onnx.load(str(native / "model.onnx"), load_external_data=False).graph)
     for hostile in ({"dtype": "int8"}, {"rotation": "hadamard", "rotation_seed": 0}, {"decode_kernel": "fast"}):
         data = manifest(native)
         data["cache"]["compression"] |= hostile
@@ -289,8 +325,10 @@ def test_batched_eviction_equals_the_op_body_for_every_policy(tmp_path_factory, 
     build(tiny_llama, portable, build_settings(**{**KV, "target": "cpu-portable"}, **kv))
     decode = onnx.load(str(native / "model.onnx"), load_external_data=False)
     layers = manifest(native)["model"]["num_layers"]
-    # each layer's k and v written by its own scatter, the positions and scores of all by one each
-    assert [node.op_type for node in decode.graph.node].count("ScatterElements") == 2 * layers + 2
+    assert_reads_precede_in_place_writes(decode.graph)
+    # each layer's k and v written by its own scatters (the token into the spare row, then into its slot), the
+    # positions and scores of all layers by one each
+    assert [node.op_type for node in decode.graph.node].count("ScatterElements") == 4 * layers + 2
     fast, reference = Model.load(native), Model.load(portable)
     prompt = text_ids[:50]
     assert fast.generate(prompt, max_new_tokens=30) == reference.generate(prompt, max_new_tokens=30)
