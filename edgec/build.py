@@ -156,9 +156,11 @@ def splits_activations(plan: Plan, settings: BuildSettings, source_kind: str | N
 
 
 def native_decode(target: Target, kv: Compression, kv_plugin: bool) -> bool:
-    """Whether one-token steps read the compressed slots through ONNX Runtime's CPU GroupQueryAttention in place
-    (``Compression.decode_kernel`` gqa): fp32 slots of one pool, unrotated, without recall, on an ONNX Runtime CPU
-    target with the fused kernel. It halves the cache's share of a decode step at 1K slots (docs/kv-cache.md)."""
+    """Whether one-token steps read the compressed slots in place (``Compression.decode_kernel`` gqa: ONNX
+    Runtime's CPU GroupQueryAttention, which the decode graph then turns into products over the same buffers where
+    the evictions are batched, ``prefill_graph.decode_kernels_as_matmuls``): fp32 slots of one pool, unrotated,
+    without recall, on an ONNX Runtime CPU target with the fused kernel. It halves the cache's share of a decode
+    step at 1K slots (docs/kv-cache.md)."""
     abilities = target.abilities
     cpu_gqa = target.runtime == "ort-cpu" and abilities.attention == "gqa" and abilities.data_dependent_shapes
     return cpu_gqa and not kv_plugin and kv.native_decode_fits()
