@@ -297,8 +297,8 @@ def batch_decode_evictions(model: Any, spec: CacheSpec) -> int:
     The positions and scores are written by one ScatterElements each and split back into the layers' outputs;
     every reader of those state inputs (the concatenation, the shared bias) stays an ancestor of that write, as
     the in-place binding requires (the kernels' probabilities, or for a policy that reads none the last kernel's
-    output, order it). Returns how many layers it batched (0: the graph is left as it was)."""
-
+    output, order it); the v writes also wait for the last kernel's output. Returns how many layers it batched
+    (0: the graph is left as it was)."""
     from edgec.kvcache import compressed_function, policies
     from edgec.kvcache.onnx_body import Body
     from edgec.kvcache.spec import StateTensor, output_name
