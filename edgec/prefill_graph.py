@@ -541,6 +541,8 @@ def _merge_repeats(graph: Any, roots: list[Any]) -> int:
         producer = value.producer()
         array = value.const_value.numpy() if value.const_value is not None else None
         if producer is not None and producer.op_type == "Constant" and producer.domain == "":
+            if len(producer.attributes) != 1:
+                return None
             ((kind, attribute),) = producer.attributes.items()
             numbers = {"value_int": np.int64, "value_ints": np.int64, "value_float": np.float32}
             numbers["value_floats"] = np.float32
