@@ -302,6 +302,7 @@ def batch_decode_evictions(model: Any, spec: CacheSpec) -> int:
     from edgec.kvcache import compressed_function, policies
     from edgec.kvcache.onnx_body import Body
     from edgec.kvcache.spec import StateTensor, output_name
+    from edgec.passes._graph import take_over
 
     compression = spec.compression
     graph = model.graph
@@ -370,13 +371,7 @@ def batch_decode_evictions(model: Any, spec: CacheSpec) -> int:
         for name in ("k", "v"):
             producers[name].replace_input_with(1, created[split_names[name][index]])
         for name in ("pos", "score"):
-            old = values[output_name(layer.layer, name)]
-            new = created[split_names[name][index]]
-            position_in_outputs = list(graph.outputs).index(old)
-            old_name = old.name
-            old.name = f"{old_name}.per_layer"
-            new.name, new.type, new.shape = old_name, old.type, old.shape
-            graph.outputs[position_in_outputs] = new
+            take_over(values[output_name(layer.layer, name)], created[split_names[name][index]])
     return len(layers)
 
 
@@ -405,7 +400,7 @@ def decode_kernels_as_matmuls(model: Any, spec: CacheSpec) -> int:
         if not _is_decode_kernel(node) or node.inputs[3] is None or node.inputs[3].name not in layers:
             continue
         attributes = node.attributes
-        if any(attributes.get_float(name, 0.0) for name in ("softcap",)) or any(
+        if attributes.get_float("softcap", 0.0) or any(
             attributes.get_int(name, default) != default
             for name, default in (("local_window_size", -1), ("smooth_softmax", 0), ("rotary_interleaved", 0))
         ):
