@@ -611,9 +611,9 @@ def open_backend(
 def return_freed_heap(load: Any = ctypes.CDLL) -> bool:
     """Give the C heap's free memory back to the system (glibc's ``malloc_trim``); False where there is no glibc.
     Building a session frees most of what it allocated (the graph's copies while ONNX Runtime optimizes and plans
-    it), but glibc keeps freed heap blocks resident for reuse that never comes: the step buffers, the arena's
-    chunks and a prompt's temporary state are mappings of their own. SmolLM2's two sessions leave ~45 MiB so
-    (docs/BENCHMARKS.md, twenty-first round), resident through every prompt's peak."""
+    it), but glibc keeps freed heap blocks resident for reuse: SmolLM2's two sessions leave ~70 MiB so, which a
+    loaded model waiting for its first prompt need not hold (a prompt's first chunk reuses the heap, so its peak
+    is the same either way; docs/BENCHMARKS.md, twenty-first round)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
