@@ -29,7 +29,6 @@ import io
 import logging
 import mmap
 import os
-import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -601,28 +600,9 @@ def open_backend(
             )
         backend = OrtBackend(first, vocab, prefill_chunk, prefill)
         backend.no_logits_rows = model.get("no_logits_rows") is True
-        return_freed_heap()
         return backend
     decode = OrtGraph(folder / model["decode_file"], spec, providers, threads, provider_options, exact, spin)
-    return_freed_heap()
     return StaticOrtBackend(first, decode, vocab, int(model["static_tokens"]))
-
-
-def return_freed_heap(load: Any = ctypes.CDLL) -> bool:
-    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``); False where there is no glibc.
-    Building a session frees most of what it allocated (the graph's copies while ONNX Runtime optimizes and plans
-    it), but glibc keeps freed heap blocks resident for reuse: SmolLM2's two sessions leave ~70 MiB so, which a
-    loaded model waiting for its first prompt need not hold (a prompt's first chunk reuses the heap, so its peak
-    is the same either way; docs/BENCHMARKS.md, twenty-first round)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        trim = load("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # musl and others: no malloc_trim
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
-    return True
 
 
 def check_cuda_can_start() -> None:
