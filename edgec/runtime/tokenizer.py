@@ -61,7 +61,9 @@ class BundleTokenizer:
 
     def stream(self, ids: Iterator[int]) -> Iterator[str]:
         """Yield text pieces as tokens arrive. Decoding a short window around the new token (not the whole
-        text each time) keeps this O(1) per token; a piece is held back while it ends in a partial character."""
+        text each time) keeps this O(1) per token; a piece is held back while it ends in a partial character, and
+        what is still held when the tokens end comes out as ``decode`` shows it (U+FFFD for the bytes of a character
+        that never completed), so the pieces join to the same text as ``decode`` of all the tokens."""
         tokens: list[int] = []
         prefix_offset = read_offset = 0
         for token in ids:
@@ -71,3 +73,8 @@ class BundleTokenizer:
             if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
                 yield new_text[len(prefix_text) :]
                 prefix_offset, read_offset = read_offset, len(tokens)
+        if len(tokens) > read_offset:
+            prefix_text = self.decode(tokens[prefix_offset:read_offset])
+            new_text = self.decode(tokens[prefix_offset:])
+            if len(new_text) > len(prefix_text):
+                yield new_text[len(prefix_text) :]
