@@ -64,6 +64,29 @@ def build_settings(**values):
     return BuildSettings(**values, kv=Compression.from_flags(kv))
 
 
+def assert_same_greedy(reference, model, prompt, max_new_tokens: int, near_tie: float) -> None:
+    """``model`` decodes ``reference``'s greedy tokens, except where the reference itself scores the two choices
+    within ``near_tie`` of each other at the step they part: a cache or weights of lower precision (fp16 on the
+    GPU and NPU targets) may break such a tie the other way, and the tokens after it follow from it. Any other
+    difference fails, with the margin it had."""
+    import numpy as np
+
+    want = list(reference.generate_ids(prompt, max_new_tokens=max_new_tokens))
+    got = list(model.generate_ids(prompt, max_new_tokens=max_new_tokens))
+    if got == want:
+        return
+    step = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
+    assert step < min(len(want), len(got)), f"one stopped early: {want} against {got}"
+    ids = list(reference._prompt_ids(prompt, None, False)) + want[:step]
+    logits = np.asarray(reference._prefill(reference._backend.open_state(), np.array(ids), all_logits=False))
+    logits = logits.reshape(-1, logits.shape[-1])[-1]
+    margin = float(logits[want[step]] - logits[got[step]])
+    assert margin <= near_tie, (
+        f"the tokens part at step {step} ({want[step]} against {got[step]}), where the reference's logits put them "
+        f"{margin:.4f} apart: more than a near tie ({near_tie})"
+    )
+
+
 def pydoc_text() -> str:
     from pydoc_data.topics import topics
 
