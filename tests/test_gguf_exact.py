@@ -200,10 +200,10 @@ def test_weights_are_no_bigger_than_the_gguf_s(built, mixed_gguf):
 
 
 def _corrupt_first_input_block(bundle: Path) -> str:
-    """Invert the codes of one block of 32 inputs in every output row of a carried 4-bit weight in model.onnx.data
-    (1/8 of the first such weight; the manifest is then re-hashed: the bundle is self-consistent, only its numbers
-    are wrong); returns the tensor's name. One row's block alone changed the validation prompts' logits by less
-    than the tolerance on some tokenizer trainings (it is only head 0's query there)."""
+    """Invert the codes of the first block of 32 inputs in every output row of the first carried 4-bit weight in
+    model.onnx.data (the manifest is then re-hashed: the bundle is self-consistent, only its numbers are wrong);
+    returns the tensor's name. One row's block alone changed the validation prompts' logits by less than the
+    tolerance on some tokenizer trainings (it is only head 0's query there)."""
     import onnx
 
     from edgec.bundle import write_manifest

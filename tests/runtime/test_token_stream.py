@@ -21,8 +21,8 @@ def _partial_character(tokenizer: BundleTokenizer) -> int:
 
 def test_a_partial_character_is_held_back_until_the_next_token(tokenizer):
     partial = _partial_character(tokenizer)
-    text = tokenizer.encode("abc", add_special_tokens=False)
-    ids = text + [partial] + tokenizer.encode("d", add_special_tokens=False)
+    abc = tokenizer.encode("abc", add_special_tokens=False)
+    ids = abc + [partial] + tokenizer.encode("d", add_special_tokens=False)
     pieces = list(tokenizer.stream(iter(ids)))
     assert not any(piece.endswith("\ufffd") for piece in pieces[:-1])
     assert "".join(pieces) == tokenizer.decode(ids)
