@@ -216,10 +216,9 @@ def _corrupt_first_input_block(bundle: Path) -> str:
     else:
         raise AssertionError("no 4-bit codes in the bundle")
     data = np.fromfile(bundle / "model.onnx.data", dtype=np.uint8)
-    rows, blocks, width = tensor.dims  # [N, blocks, 16 bytes]: row r's first block at offset + r·blocks·16
-    for row in range(rows):
-        start = offset + row * blocks * width
-        data[start : start + width] ^= 0xFF  # every code q becomes 15 - q
+    rows, blocks, width = tensor.dims  # [N, blocks, 16 bytes]
+    codes = data[offset : offset + rows * blocks * width].reshape(rows, blocks * width)
+    codes[:, :width] ^= 0xFF  # each row's first block: every code q becomes 15 - q
     data.tofile(bundle / "model.onnx.data")
     manifest = json.loads((bundle / "manifest.json").read_text())
     manifest.pop("files")

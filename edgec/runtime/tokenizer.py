@@ -66,6 +66,7 @@ class BundleTokenizer:
         that never completed), so the pieces join to the same text as ``decode`` of all the tokens."""
         tokens: list[int] = []
         prefix_offset = read_offset = 0
+        prefix_text = new_text = ""
         for token in ids:
             tokens.append(token)
             prefix_text = self.decode(tokens[prefix_offset:read_offset])
@@ -73,8 +74,5 @@ class BundleTokenizer:
             if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
                 yield new_text[len(prefix_text) :]
                 prefix_offset, read_offset = read_offset, len(tokens)
-        if len(tokens) > read_offset:
-            prefix_text = self.decode(tokens[prefix_offset:read_offset])
-            new_text = self.decode(tokens[prefix_offset:])
-            if len(new_text) > len(prefix_text):
-                yield new_text[len(prefix_text) :]
+        if len(tokens) > read_offset and len(new_text) > len(prefix_text):  # the last token's text, held back
+            yield new_text[len(prefix_text) :]
