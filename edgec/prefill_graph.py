@@ -48,7 +48,7 @@ def write_prefill_graph(
     ir.save(model, folder / f"{PREFILL_FILE}.tmp")
     _one_branch(folder / f"{PREFILL_FILE}.tmp", "general")
     if chunk_kernel:
-        expose_chunk_present(folder / f"{PREFILL_FILE}.tmp", cache)
+        expose_chunk_present(folder / f"{PREFILL_FILE}.tmp", cache, context)
     (folder / f"{PREFILL_FILE}.tmp").replace(folder / PREFILL_FILE)
     _one_branch(folder / "model.onnx", "decode")  # model.onnx: one-token steps only, from now on
     if native_decode is not None:
@@ -59,6 +59,8 @@ def write_prefill_graph(
 # how a decode graph over fp32 slots attends once its evictions are batched: "matmul" (standard ops,
 # decode_kernels_as_matmuls) or "kernel" (GroupQueryAttention); measured in docs/BENCHMARKS.md, "Twentieth round"
 DECODE_ATTENTION = "matmul"
+# whether prompt chunks over fp32 slots fold RoPE into the kernel (fold_chunk_rotary); tests compare both
+CHUNK_ROTARY = True
 
 
 def expose_decode_present(path: Path, spec: CacheSpec, context: int = 0) -> int:
@@ -89,14 +91,15 @@ def expose_decode_present(path: Path, spec: CacheSpec, context: int = 0) -> int:
     return exposed
 
 
-def expose_chunk_present(path: Path, spec: CacheSpec) -> int:
+def expose_chunk_present(path: Path, spec: CacheSpec, context: int = 0) -> int:
     """Make the presents of each compressed layer's kernel over the state (``compressed_function._state_kernel``:
     GroupQueryAttention whose past is the k/v state input itself) outputs of a prompt-chunk graph, named
     ``spec.present_name`` as in a decode graph. The runtime binds them to the state's own buffers where a call is
     known to fit the buffer (``OrtCacheState``): the kernel then writes the chunk's rows in place instead of
     copying every row of the buffer into a fresh present — for the temporary state of an `end` prompt, the whole
     prompt's length per layer and chunk. The op's function is inlined first (an output inside a function cannot
-    be bound; onnx's C++ inliner: onnx_ir's InlinePass takes ~20 s on SmolLM2's 30 general bodies, this 0.1 s).
+    be bound; onnx's C++ inliner: onnx_ir's InlinePass takes ~20 s on SmolLM2's 30 general bodies, this 0.1 s);
+    with ``context`` > 0 the model's head split and RoPE are folded into each kernel (``fold_chunk_rotary``).
     Rewrites ``path`` (temp file + rename; weights stay references); returns how many it exposed."""
     import onnx
     import onnx.inliner
@@ -104,7 +107,10 @@ def expose_chunk_present(path: Path, spec: CacheSpec) -> int:
 
     inlined = onnx.inliner.inline_local_functions(onnx.load(str(path), load_external_data=False))
     onnx.save(inlined, str(path))
-    return _expose_presents(ir.load(path), path, spec, _is_chunk_kernel, "chunk kernel")
+    model = ir.load(path)
+    if context and CHUNK_ROTARY:
+        fold_chunk_rotary(model, context)
+    return _expose_presents(model, path, spec, _is_chunk_kernel, "chunk kernel")
 
 
 def _expose_presents(model: Any, path: Path, spec: CacheSpec, is_kernel: Any, kind: str, save: bool = True) -> int:
@@ -235,6 +241,273 @@ def fold_decode_rotary(model: Any, context: int) -> int:
     if folded:
         onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
     return folded
+
+
+def fold_chunk_rotary(model: Any, context: int) -> int:
+    """In an inlined prompt-chunk graph, let each compressed layer's kernel over the state
+    (``compressed_function._state_kernel``) take the model's packed q/k/v projection and apply RoPE itself
+    (``do_rotary``, cos/sin tables for positions 0..context from the model's own rotary subgraph, explicit
+    ``position_ids``), as ``passes/kv_attention_gqa`` does for plain layers. Every chunk of an `end` prompt
+    appends, and there nothing else needs the rotated q/k: the appending branch's k/v rows are the kernel's
+    present rows [active, active + T) (the If's condition implies the kernel's: it wrote all T there). So the
+    model's Split, head splits and both RotaryEmbeddings move into the judged branch, the only one that reads
+    them, and the kernel's input Transposes and Slices go — ~0.9 ms of a layer's ~2 ms of bookkeeping a 512-token
+    chunk (SmolLM2, two cores). A layer in any other shape keeps its inputs. Returns how many layers folded."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common
+
+    from edgec.passes._graph import take_over
+    from edgec.passes.kv_attention_gqa import _i64, _packed_rotary_source, _rope_tables
+
+    graph = model.graph
+    position_ids = next((value for value in graph.inputs if value.name == "position_ids"), None)
+    if position_ids is None:
+        return 0
+    owners = _branch_owners(graph)
+    existing = {id(value) for node in graph.all_nodes() for value in node.outputs}
+    tables: dict[Any, tuple[Any, Any]] = {}
+    folded = 0
+    for kernel in [node for node in graph if _is_chunk_kernel(node)]:
+        found = _chunk_kernel_sources(kernel)
+        if found is None:
+            continue
+        first, width, (q, k, v) = found
+        heads, kv_heads = kernel.attributes["num_heads"].as_int(), kernel.attributes["kv_num_heads"].as_int()
+        head_dim = width // heads
+        packed = _packed_rotary_source(q, k, v, heads, kv_heads, head_dim)
+        switch = _appending_switch(owners, (q, k, v))
+        total = _kernel_total(kernel)
+        if packed is None or switch is None or total is None:
+            continue
+        qkv, cos, sin = packed
+        split = q.producer().inputs[0].producer().inputs[0].producer()  # Rotary ← Transpose ← Reshape ← Split
+        chain = _producers_between(qkv, (q, k, v))
+        if chain is None or split not in chain:
+            continue
+        append, judged = (switch.attributes[name].value for name in ("then_branch", "else_branch"))
+        if not _only_used_where_expected(chain, (q, k, v), append, owners, switch):
+            continue
+        angles = cos.producer().inputs[0] if cos.producer() is not None else cos
+        if angles not in tables:
+            tables[angles] = _rope_tables(graph, cos, sin, position_ids, context + 1, len(tables), prefix="chunk_rope")
+        cos_table, sin_table = tables[angles]
+        tape = ir.tape.Tape(graph_like=graph)
+        end, axis = _i64(tape, [2**62]), _i64(tape, [1])
+        rows_qkv = tape.op("Slice", [qkv, first, end, axis])  # the last `rows` tokens (all of them where it appends)
+        rows_positions = tape.op("Slice", [position_ids, first, end, axis])
+        inputs = [rows_qkv, None, None, *kernel.inputs[3:7], cos_table, sin_table, rows_positions]
+        attributes = [*kernel.attributes.values(), ir.AttrInt64("do_rotary", 1), ir.AttrInt64("rotary_interleaved", 0)]
+        new = ir.Node("com.microsoft", "GroupQueryAttention", inputs, attributes, num_outputs=3, name=kernel.name)
+        graph.insert_before(kernel, [*tape.nodes, new])
+        kernel.name = f"{kernel.name}__replaced"
+        for old, value in zip(kernel.outputs, new.outputs, strict=True):
+            take_over(old, value)
+        packing = [kernel]
+        for piece in kernel.inputs[:3]:  # Slice ← Reshape ← Transpose, each read by the old kernel alone
+            reshape = piece.producer().inputs[0].producer()
+            packing += [piece.producer(), reshape, reshape.inputs[0].producer()]
+        graph.remove(packing, safe=True)
+        # the main graph's Shapes of q/k/v: the same dims from the packed projection and the kernel's attributes
+        dims = _dims_from_packed(graph, split, qkv, {q: heads, k: kv_heads, v: kv_heads}, head_dim)
+        for value in (q, k, v):
+            for use in list(value.uses()):
+                if use.node.graph is graph and use.node.op_type == "Shape":
+                    _replace_shape(graph, use.node, dims[value])
+        # the appending branch's rows: what the kernel wrote into its present
+        active, written_end = total.inputs[0], total.outputs[0]
+        for value, present in ((k, new.outputs[1]), (v, new.outputs[2])):
+            for use in list(value.uses()):
+                if use.node.graph is append:
+                    _rows_from_present(append, use.node, present, active, written_end)
+        # what remains reads q/k/v inside the judged branch: compute them there
+        graph.remove(chain)
+        judged.insert_before(next(iter(judged)), chain)
+        folded += 1
+    if folded:
+        model.opset_imports.setdefault("com.microsoft", 1)
+        onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
+        # each graph names what is inserted into it (val_0, ...): the 30 appending branches' names would repeat,
+        # and a model's names must be unique across its subgraphs
+        outputs = {id(value) for value in graph.outputs}
+        made = [v for node in graph.all_nodes() for v in node.outputs if id(v) not in existing | outputs]
+        for index, value in enumerate(made):
+            value.name = f"chunk_rotary_{index}"
+    return folded
+
+
+def _chunk_kernel_sources(kernel: Any) -> tuple[Any, int, tuple[Any, Any, Any]] | None:
+    """(first, H·D, (q, k, v)) where the kernel's q/k/v are ``compressed_function._kernel``'s packing of the
+    body's [B,H,T,D] q, k, v: Slice(Reshape(Transpose(x, [0,2,1,3]), [0,0,N·D]), first, ∞, axis 1); else None."""
+    from edgec.passes.kv_attention_gqa import _constant_ints
+
+    if len(kernel.inputs) != 7 or "do_rotary" in kernel.attributes:
+        return None
+    sources, firsts, widths = [], [], []
+    for value in kernel.inputs[:3]:
+        piece = value.producer() if value is not None else None
+        if piece is None or piece.op_type != "Slice" or len(piece.inputs) < 4:
+            return None
+        reshape = piece.inputs[0].producer()
+        shape = _constant_ints(reshape.inputs[1]) if reshape is not None and reshape.op_type == "Reshape" else None
+        transpose = reshape.inputs[0].producer() if shape is not None else None
+        perm = transpose.attributes.get("perm") if transpose is not None and transpose.op_type == "Transpose" else None
+        if perm is None or tuple(perm.as_ints()) != (0, 2, 1, 3) or len(shape) != 3:
+            return None
+        sources.append(transpose.inputs[0])
+        firsts.append(piece.inputs[1])
+        widths.append(shape[2])
+    if len(set(map(id, firsts))) != 1:
+        return None
+    return firsts[0], widths[0], tuple(sources)
+
+
+def _kernel_total(kernel: Any) -> Any:
+    """The Add(active, rows) node whose sum is the kernel's total length (``_kernel``), or None."""
+    cast = kernel.inputs[6].producer()
+    squeeze = cast.inputs[0].producer() if cast is not None and cast.op_type == "Cast" else None
+    total = squeeze.inputs[0].producer() if squeeze is not None and squeeze.op_type == "Squeeze" else None
+    return total if total is not None and total.op_type == "Add" else None
+
+
+def _branch_owners(graph: Any) -> dict[int, tuple[Any, str]]:
+    """Every subgraph of ``graph``'s If nodes (nested ones too), by id → (the main graph's If, its attribute)."""
+    owners: dict[int, tuple[Any, str]] = {}
+
+    def walk(subgraph: Any, owner: tuple[Any, str]) -> None:
+        owners[id(subgraph)] = owner
+        for node in subgraph:
+            for attribute in node.attributes.values():
+                if attribute.type == 5:  # AttributeType.GRAPH
+                    walk(attribute.value, owner)
+
+    for node in graph:
+        if node.op_type == "If":
+            for name in ("then_branch", "else_branch"):
+                walk(node.attributes[name].value, (node, name))
+    return owners
+
+
+def _appending_switch(owners: dict[int, tuple[Any, str]], values: tuple[Any, ...]) -> Any:
+    """The main graph's If (``compressed_function._appending``) whose branches hold every subgraph use of
+    ``values``, when its then-branch is the appending one; else None."""
+    switches = {
+        id(owners[id(use.node.graph)][0]): owners[id(use.node.graph)][0]
+        for value in values
+        for use in value.uses()
+        if id(use.node.graph) in owners
+    }
+    if len(switches) != 1:
+        return None
+    switch = next(iter(switches.values()))
+    return switch if switch.attributes["then_branch"].value.name == "append_chunk" else None
+
+
+def _producers_between(source: Any, values: tuple[Any, ...]) -> list[Any] | None:
+    """The Split, Reshapes, Transposes and RotaryEmbeddings computing ``values`` from ``source``, in graph order
+    (walking first inputs back to it: their other inputs — shapes, cos/sin — stay where they are computed, before
+    them); None when any other op lies between."""
+    nodes, stack = {}, [value.producer() for value in values]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in nodes:
+            continue
+        nodes[id(node)] = node
+        if source in node.inputs:
+            continue
+        # the head splits' Reshape shapes and the rotary's cos/sin are computed outside: not part of the chain
+        if node.op_type in ("Reshape", "Transpose", "RotaryEmbedding", "Split"):
+            stack.append(node.inputs[0].producer())
+        else:
+            return None
+    order = {id(node): index for index, node in enumerate(source.producer().graph if source.producer() else [])}
+    if not order:
+        return None
+    return sorted(nodes.values(), key=lambda node: order.get(id(node), -1))
+
+
+def _only_used_where_expected(chain: list[Any], qkv: tuple[Any, Any, Any], append: Any, owners, switch) -> bool:
+    """Every output of ``chain`` read only by the chain itself, the main graph's Shapes of q/k/v, Identities of k
+    and v in the appending branch, or anything in the switch's other (judged) branch."""
+    q, k, v = qkv
+    members = {id(node) for node in chain}
+    for node in chain:
+        for value in node.outputs:
+            if value.is_graph_output():
+                return False
+            for use in value.uses():
+                reader = use.node
+                if id(reader) in members:
+                    continue
+                if reader.graph is node.graph:
+                    if reader.op_type == "Shape" and value in qkv:
+                        continue
+                    if _is_chunk_kernel_packing(reader):
+                        continue
+                    return False
+                owner = owners.get(id(reader.graph))
+                if owner is None or owner[0] is not switch:
+                    return False
+                appending = reader.graph is append and reader.op_type == "Identity" and value in (k, v)
+                if owner[1] == "then_branch" and not appending:  # the chain moves into the other branch
+                    return False
+    return True
+
+
+def _is_chunk_kernel_packing(node: Any) -> bool:
+    """The [B,H,T,D] → [B,T,H·D] Transpose of ``compressed_function._kernel``'s packing, read by a chunk kernel's
+    Slice alone (through its Reshape)."""
+    if node.op_type != "Transpose":
+        return False
+    reshapes = [use.node for use in node.outputs[0].uses()]
+    slices = [use.node for reshape in reshapes for use in reshape.outputs[0].uses()]
+    kernels = [use.node for piece in slices for use in piece.outputs[0].uses()]
+    return bool(kernels) and all(_is_chunk_kernel(kernel) for kernel in kernels)
+
+
+def _dims_from_packed(graph: Any, before: Any, qkv: Any, heads: dict[Any, int], head_dim: int) -> dict[Any, list]:
+    """For each of q/k/v [B, heads, T, D]: its four dims as values ([1] int64 each) — B and T read from the
+    packed projection [B,T,·], the heads and D constants — inserted before ``before``."""
+    import onnx_ir as ir
+
+    from edgec.passes.kv_attention_gqa import _i64
+
+    tape = ir.tape.Tape(graph_like=graph)
+    batch = tape.op("Shape", [qkv], attributes={"start": 0, "end": 1})
+    tokens = tape.op("Shape", [qkv], attributes={"start": 1, "end": 2})
+    size = _i64(tape, [head_dim])
+    counts = {count: _i64(tape, [count]) for count in set(heads.values())}
+    graph.insert_before(before, tape.nodes)
+    return {value: [batch, counts[count], tokens, size] for value, count in heads.items()}
+
+
+def _replace_shape(graph: Any, shape: Any, dims: list) -> None:
+    """Shape(x, start, end) of a rank-4 x → the matching ``dims`` (one value, or their Concat)."""
+    import onnx_ir as ir
+
+    start = shape.attributes["start"].as_int() if "start" in shape.attributes else 0
+    end = shape.attributes["end"].as_int() if "end" in shape.attributes else 4
+    picked = dims[slice(start + 4 if start < 0 else start, end + 4 if end < 0 else min(end, 4))]
+    if len(picked) == 1:
+        shape.outputs[0].replace_all_uses_with(picked[0], replace_graph_outputs=False)
+    else:
+        concat = ir.Node("", "Concat", picked, [ir.AttrInt64("axis", 0)])
+        graph.insert_before(shape, concat)
+        shape.outputs[0].replace_all_uses_with(concat.outputs[0])
+    graph.remove(shape, safe=True)
+
+
+def _rows_from_present(branch: Any, identity: Any, present: Any, active: Any, written_end: Any) -> None:
+    """Identity(k) in the appending branch → Slice(present, active, active + T, axis 2): the rows the kernel wrote."""
+    import onnx_ir as ir
+
+    from edgec.passes._graph import take_over
+    from edgec.passes.kv_attention_gqa import _i64
+
+    tape = ir.tape.Tape(graph_like=branch)
+    rows = tape.op("Slice", [present, active, written_end, _i64(tape, [2])])
+    branch.insert_before(identity, tape.nodes)
+    take_over(identity.outputs[0], rows)
+    branch.remove(identity, safe=True)
 
 
 def share_decode_bias(model: Any, spec: CacheSpec) -> int:
@@ -470,8 +743,21 @@ def _add_proto_nodes(graph: Any, protos: list, values: dict[str, Any]) -> dict[s
     """Append ``protos`` (onnx NodeProtos naming their inputs) to ``graph``, each input the graph's value of that
     name (``values``, updated with the new outputs; a name it lacks is a bug here, said as one); returns the new
     outputs by name. The caller sorts the graph afterwards."""
+    import logging
+
     import onnx_ir as ir
 
+    # deserialize_node sees a lone node, so it warns of every input it cannot find — which are all set below
+    serde_log = logging.getLogger("onnx_ir.serde")
+    level = serde_log.level
+    serde_log.setLevel(logging.ERROR)
+    try:
+        return _append_protos(graph, protos, values, ir)
+    finally:
+        serde_log.setLevel(level)
+
+
+def _append_protos(graph: Any, protos: list, values: dict[str, Any], ir: Any) -> dict[str, Any]:
     created = {}
     for proto in protos:
         node = ir.serde.deserialize_node(proto)

@@ -16,7 +16,9 @@ from edgec.runtime import Model
 from edgec.runtime.backend_ort import OrtCacheState
 from tests.conftest import build_settings, pydoc_text
 
-KV = dict(target="cpu", context=128, prefill_chunk=16)
+# the context covers every position a session below feeds (120 prompt tokens, 3 steps, a 16-token chunk): the
+# kernel rotates by tables of the context's positions and refuses one past them, as the runtime never feeds
+KV = dict(target="cpu", context=160, prefill_chunk=16)
 BINDING = OrtCacheState._binding  # the runtime's own, wrapped by _bindings
 
 
@@ -128,3 +130,66 @@ def test_the_rule_matters_where_the_buffers_have_no_spare_row(tiny_rotated_bundl
     assert proved[3] == [True] * 3 + [False] * 5 + [False] + [True] * 2 + [False]
     with pytest.raises(Exception, match="GroupQueryAttention"):
         _session(tiny_rotated_bundle, ids, monkeypatch, "always")
+
+
+@pytest.fixture(scope="module")
+def fp32_slots_unfolded(tmp_path_factory, tiny_llama):
+    """The same bundle with the model's RoPE left outside each chunk kernel (``prefill_graph.CHUNK_ROTARY`` off)."""
+    from edgec import prefill_graph
+
+    out = tmp_path_factory.mktemp("chunk-kernel") / "fp32-slots-unfolded.edgec"
+    kv = dict(kv_capacity=40, kv_dtype="fp32", kv_policy="snapkv", kv_window=8)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prefill_graph, "CHUNK_ROTARY", False)
+        build(tiny_llama, out, build_settings(**KV, **kv))
+    return out
+
+
+def _rotary_nodes(graph: onnx.GraphProto, depth: int = 0) -> list[int]:
+    """The depth (0: the main graph) of every RotaryEmbedding in ``graph`` and its If branches."""
+    found = []
+    for node in graph.node:
+        found += [depth] if node.op_type == "RotaryEmbedding" else []
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                found += _rotary_nodes(attribute.g, depth + 1)
+    return found
+
+
+def test_the_kernel_applies_rope_to_the_packed_projection(fp32_slots, fp32_slots_unfolded):
+    """fold_chunk_rotary: each kernel reads the model's packed q/k/v projection and rotates it itself; the model's
+    RotaryEmbeddings run only inside the branch that judges a call (none in an appending chunk's path)."""
+    graph = onnx.load(fp32_slots / "prefill.onnx", load_external_data=False).graph
+    layers = sum(1 for value in graph.input if value.name.endswith(".pos"))
+    kernels = [node for node in graph.node if node.op_type == "GroupQueryAttention"]
+    assert len(kernels) == layers
+    for kernel in kernels:
+        attributes = {attribute.name: attribute for attribute in kernel.attribute}
+        assert attributes["do_rotary"].i == 1 and kernel.input[1] == kernel.input[2] == ""
+        assert kernel.input[7].startswith("chunk_rope") and kernel.input[9]  # tables, explicit positions
+    tables = {tensor.name: tensor.dims for tensor in graph.initializer if tensor.name.startswith("chunk_rope")}
+    assert tables and all(dims[0] == KV["context"] + 1 for dims in tables.values())
+    assert _rotary_nodes(graph) == [1] * 2 * layers  # q and k per layer, in the top If's judged branch
+    assert {node.op_type for node in graph.node}.isdisjoint({"RotaryEmbedding", "Transpose"})
+    unfolded = onnx.load(fp32_slots_unfolded / "prefill.onnx", load_external_data=False).graph
+    assert _rotary_nodes(unfolded).count(0) == 2 * layers
+
+
+@pytest.mark.parametrize("mode", ["proved", "never"])
+def test_folding_rope_into_the_kernel_changes_no_answer(fp32_slots, fp32_slots_unfolded, ids, monkeypatch, mode):
+    """Every logit and state tensor of a session (a long prompt through the temporary state, decode steps, chunks
+    with evictions, a short prompt) equal with RoPE in the kernel and outside it, the presents bound in place or
+    not: an appending chunk's k/v rows are the kernel's present rows, a judged call rotates q/k in its branch."""
+    folded = _session(fp32_slots, ids, monkeypatch, mode)
+    unfolded = _session(fp32_slots_unfolded, ids, monkeypatch, mode)
+    np.testing.assert_allclose(folded[0], unfolded[0], rtol=0, atol=1e-5)
+    for saved, other in ((folded[1], unfolded[1]), (folded[2], unfolded[2])):
+        assert saved.keys() == other.keys()
+        for name, value in saved.items():
+            if name.endswith(".pos"):
+                np.testing.assert_array_equal(value, other[name], err_msg=name)
+            else:
+                filled = saved[name.rsplit(".", 1)[0] + ".pos"] >= 0
+                if value.ndim == 4:
+                    filled = np.pad(filled, ((0, 0), (0, 0), (0, value.shape[2] - filled.shape[2])))
+                np.testing.assert_allclose(value[filled], other[name][filled], rtol=0, atol=1e-5, err_msg=name)
