@@ -385,7 +385,7 @@ def _function(
 def _output_type(compression: Compression, name: str) -> int:
     if name in ("k_cache_out", "v_cache_out", "k_cache_rows", "v_cache_rows"):
         return STORAGE_TYPES[compression.dtype]
-    return TensorProto.INT64 if name in ("pos_out", "written_slots") else TensorProto.FLOAT
+    return TensorProto.INT64 if name in ("pos_out", WRITTEN_INDEX) else TensorProto.FLOAT
 
 
 def _filled_slots(
@@ -574,7 +574,7 @@ class _Kernel:
 # what the branches of a call on fp32 slots give for k and v (the rows and where they go), scattered after them
 DEFERRED = ("k_cache", "v_cache")
 STATE_KERNEL = "state_kernel"  # the kernel's node name (prefill_graph finds it by it)
-WRITTEN_SLOTS = "written_slots"  # [B,Hkv,T] int64: the slot each new row lands in
+WRITTEN_INDEX = "written_index"  # [B,Hkv,T,3] int64: where each new row lands (batch, head, slot), for ScatterND
 
 
 def _written_keys(compression: Compression, deferred: bool) -> list[str]:
@@ -582,7 +582,7 @@ def _written_keys(compression: Compression, deferred: bool) -> list[str]:
     names = state_names(compression)
     if not deferred:
         return list(names)
-    return [name for name in names if name not in DEFERRED] + [WRITTEN_SLOTS, *(f"{name}_rows" for name in DEFERRED)]
+    return [name for name in names if name not in DEFERRED] + [WRITTEN_INDEX, *(f"{name}_rows" for name in DEFERRED)]
 
 
 def _written_output(compression: Compression, key: str) -> str:
@@ -608,7 +608,7 @@ def _scatter_rows(b: Body, results: dict[str, str]) -> dict[str, str]:
     (bound in place by the runtime: only the T rows move — ScatterElements would move them element by element,
     ~15x slower). It runs after the If that computed the rows, so after every reader of the slots: the kernel,
     whose output the If takes, and everything inside the If."""
-    index = _row_index(b, results.pop(WRITTEN_SLOTS))
+    index = results.pop(WRITTEN_INDEX)
     for name in DEFERRED:
         results[f"{name}_out"] = b.op("ScatterND", name, index, results.pop(f"{name}_rows"))
     return results
@@ -649,7 +649,9 @@ def _appending(
     incoming = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale, "v_scale": v_scale}
     incoming |= {"pos": new_pos, "score": score_new}
     current = {name: name for name in names}
-    written = _direct_writes(append, compression, current, incoming, active, new, out, deferred)
+    # with the kernel the output was computed before the If, every read of the old state with it: nothing to wait for
+    waits_for = None if deferred else out
+    written = _direct_writes(append, compression, current, incoming, active, new, waits_for, deferred)
     appended = {"out": out} | {_written_output(compression, key): value for key, value in written.items()}
     every = ("out", *(_written_output(compression, key) for key in _written_keys(compression, deferred)))
     typed = partial(_output_type, compression)
@@ -762,25 +764,25 @@ def _direct_writes(
     incoming: dict[str, str],
     active: str,
     new: str,
-    out: str,
+    out: str | None,
     deferred: bool = False,
 ) -> dict[str, str]:
     """New token i into slot ``active + i`` on every head: one ScatterND per state tensor (``current[name]``, the
     state input or a fresh tensor in its place), whole rows of ``incoming[name]``, indices [B,Hkv,T,3] (batch,
-    head, slot). The slot indices wait for the attention output, which reads the old state. ``deferred``: k and
-    v as their rows and slots instead (``_written_keys``)."""
+    head, slot). The slot indices wait for the attention output ``out``, which reads the old state (None: it was
+    computed before this body runs). ``deferred``: k and v as their rows and the index instead
+    (``_written_keys``)."""
     first = b.op("Squeeze", active)
     slots = b.op("Range", first, b.op("Add", first, b.op("Squeeze", new)), b.i64(1))  # [T]
-    slots = _after(b, slots, out)
+    if out is not None:
+        slots = _after(b, slots, out)
     written = {}
     names = state_names(compression)
+    index = _row_index(b, b.op("Reshape", slots, b.i64([1, 1, -1])), incoming["pos"])
     if deferred:
         names = tuple(name for name in names if name not in DEFERRED)
-        written[WRITTEN_SLOTS] = b.op(
-            "Expand", b.op("Reshape", slots, b.i64([1, 1, -1])), b.op("Shape", incoming["pos"])
-        )
+        written[WRITTEN_INDEX] = index
         written |= {f"{name}_rows": incoming[name] for name in DEFERRED}  # the branch's Identity passes them on
-    index = _row_index(b, b.op("Reshape", slots, b.i64([1, 1, -1])), incoming["pos"])
     return written | {name: b.op("ScatterND", current[name], index, incoming[name]) for name in names}
 
 
@@ -837,7 +839,8 @@ def _paired_writes(
             written[f"{name}_rows"] = _write(
                 b, current[name], arriving[name], slots, strongest, replace, trailing, scatter=False
             )
-            written[WRITTEN_SLOTS] = slots
+            if WRITTEN_INDEX not in written:
+                written[WRITTEN_INDEX] = _row_index(b, slots)
         else:
             written[name] = _write(b, current[name], arriving[name], slots, strongest, replace, trailing)
     if policy.prunes:

@@ -193,3 +193,19 @@ def test_folding_rope_into_the_kernel_changes_no_answer(fp32_slots, fp32_slots_u
                 if value.ndim == 4:
                     filled = np.pad(filled, ((0, 0), (0, 0), (0, value.shape[2] - filled.shape[2])))
                 np.testing.assert_allclose(value[filled], other[name][filled], rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_an_appending_chunk_runs_no_ordering_chain_and_one_index(fp32_slots):
+    """The appending branch takes the kernel's output from before the If, so its writes wait for nothing (no
+    ``_after`` chain: ReduceMax/IsNaN over the output); its one ScatterND index is an output of the If, which the
+    k/v scatters after it read — no second index computed in the main graph."""
+    graph = onnx.load(fp32_slots / "prefill.onnx", load_external_data=False).graph
+    switches = [node for node in graph.node if node.op_type == "If"]
+    appending = [branch.g for node in switches for branch in node.attribute if branch.g.name == "append_chunk"]
+    assert len(appending) == sum(1 for value in graph.input if value.name.endswith(".pos"))
+    for branch in appending:
+        assert not {"IsNaN", "ReduceMax"} & {node.op_type for node in branch.node}
+    outputs = {output: node for node in switches for output in node.output}
+    for node in graph.node:
+        if node.op_type == "ScatterND" and node.input[0].endswith((".k", ".v")):
+            assert node.input[1] in outputs, node.name  # the index comes straight from the If
