@@ -251,8 +251,9 @@ def fold_chunk_rotary(model: Any, context: int) -> int:
     appends, and there nothing else needs the rotated q/k: the appending branch's k/v rows are the kernel's
     present rows [active, active + T) (the If's condition implies the kernel's: it wrote all T there). So the
     model's Split, head splits and both RotaryEmbeddings move into the judged branch, the only one that reads
-    them, and the kernel's input Transposes and Slices go — ~0.9 ms of a layer's ~2 ms of bookkeeping a 512-token
-    chunk (SmolLM2, two cores). A layer in any other shape keeps its inputs. Returns how many layers folded."""
+    them, and the kernel's input Transposes and Slices go (SmolLM2, a 512-token chunk, two cores: ~0.6 ms a layer
+    net of the packed projection's Slice; docs/BENCHMARKS.md, "Twenty-second round"). A layer in any other shape
+    keeps its inputs. Returns how many layers folded."""
     import onnx_ir as ir
     import onnx_ir.passes.common
 
@@ -328,8 +329,8 @@ def fold_chunk_rotary(model: Any, context: int) -> int:
         onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
         # each graph names what is inserted into it (val_0, ...): the 30 appending branches' names would repeat,
         # and a model's names must be unique across its subgraphs
-        outputs = {id(value) for value in graph.outputs}
-        made = [v for node in graph.all_nodes() for v in node.outputs if id(v) not in existing | outputs]
+        named = existing | {id(value) for value in graph.outputs}
+        made = [v for node in graph.all_nodes() for v in node.outputs if id(v) not in named]
         for index, value in enumerate(made):
             value.name = f"chunk_rotary_{index}"
     return folded
