@@ -649,7 +649,7 @@ def _appending(
     incoming = {"k_cache": k_stored, "v_cache": v_stored, "k_scale": k_scale, "v_scale": v_scale}
     incoming |= {"pos": new_pos, "score": score_new}
     current = {name: name for name in names}
-    # with the kernel the output was computed before the If, every read of the old state with it: nothing to wait for
+    # with the kernel the output is its own, computed before the If like every read of the old state: no wait
     waits_for = None if deferred else out
     written = _direct_writes(append, compression, current, incoming, active, new, waits_for, deferred)
     appended = {"out": out} | {_written_output(compression, key): value for key, value in written.items()}
