@@ -272,7 +272,7 @@ def fold_chunk_rotary(model: Any, context: int) -> int:
         found = _chunk_kernel_sources(kernel)
         if found is None:
             continue
-        first, width, (q, k, v) = found
+        first, width, (q, k, v), packing = found
         heads, kv_heads = kernel.attributes["num_heads"].as_int(), kernel.attributes["kv_num_heads"].as_int()
         head_dim = width // heads
         packed = _packed_rotary_source(q, k, v, heads, kv_heads, head_dim)
@@ -281,9 +281,8 @@ def fold_chunk_rotary(model: Any, context: int) -> int:
         if packed is None or switch is None or total is None:
             continue
         qkv, cos, sin = packed
-        split = q.producer().inputs[0].producer().inputs[0].producer()  # Rotary ← Transpose ← Reshape ← Split
-        chain = _producers_between(qkv, (q, k, v))
-        if chain is None or split not in chain:
+        chain = _producers_between(qkv, (q, k, v))  # Split, head splits, RotaryEmbeddings: in graph order
+        if chain is None or chain[0].op_type != "Split":
             continue
         append, judged = (switch.attributes[name].value for name in ("then_branch", "else_branch"))
         if not _only_used_where_expected(chain, (q, k, v), append, owners, switch):
@@ -303,13 +302,9 @@ def fold_chunk_rotary(model: Any, context: int) -> int:
         kernel.name = f"{kernel.name}__replaced"
         for old, value in zip(kernel.outputs, new.outputs, strict=True):
             take_over(old, value)
-        packing = [kernel]
-        for piece in kernel.inputs[:3]:  # Slice ← Reshape ← Transpose, each read by the old kernel alone
-            reshape = piece.producer().inputs[0].producer()
-            packing += [piece.producer(), reshape, reshape.inputs[0].producer()]
-        graph.remove(packing, safe=True)
+        graph.remove([kernel, *packing], safe=True)  # the packing was read by the old kernel alone
         # the main graph's Shapes of q/k/v: the same dims from the packed projection and the kernel's attributes
-        dims = _dims_from_packed(graph, split, qkv, {q: heads, k: kv_heads, v: kv_heads}, head_dim)
+        dims = _dims_from_packed(graph, chain[0], qkv, {q: heads, k: kv_heads, v: kv_heads}, head_dim)
         for value in (q, k, v):
             for use in list(value.uses()):
                 if use.node.graph is graph and use.node.op_type == "Shape":
@@ -336,14 +331,15 @@ def fold_chunk_rotary(model: Any, context: int) -> int:
     return folded
 
 
-def _chunk_kernel_sources(kernel: Any) -> tuple[Any, int, tuple[Any, Any, Any]] | None:
-    """(first, H·D, (q, k, v)) where the kernel's q/k/v are ``compressed_function._kernel``'s packing of the
-    body's [B,H,T,D] q, k, v: Slice(Reshape(Transpose(x, [0,2,1,3]), [0,0,N·D]), first, ∞, axis 1); else None."""
+def _chunk_kernel_sources(kernel: Any) -> tuple[Any, int, tuple[Any, Any, Any], list[Any]] | None:
+    """(first, H·D, (q, k, v), the packing's nodes) where the kernel's q/k/v are ``compressed_function._kernel``'s
+    packing of the body's [B,H,T,D] q, k, v: Slice(Reshape(Transpose(x, [0,2,1,3]), [0,0,N·D]), first, ∞, axis 1);
+    else None."""
     from edgec.passes.kv_attention_gqa import _constant_ints
 
     if len(kernel.inputs) != 7 or "do_rotary" in kernel.attributes:
         return None
-    sources, firsts, widths = [], [], []
+    sources, firsts, widths, packing = [], [], [], []
     for value in kernel.inputs[:3]:
         piece = value.producer() if value is not None else None
         if piece is None or piece.op_type != "Slice" or len(piece.inputs) < 4:
@@ -357,9 +353,10 @@ def _chunk_kernel_sources(kernel: Any) -> tuple[Any, int, tuple[Any, Any, Any]] 
         sources.append(transpose.inputs[0])
         firsts.append(piece.inputs[1])
         widths.append(shape[2])
+        packing += [piece, reshape, transpose]
     if len(set(map(id, firsts))) != 1:
         return None
-    return firsts[0], widths[0], tuple(sources)
+    return firsts[0], widths[0], tuple(sources), packing
 
 
 def _kernel_total(kernel: Any) -> Any:
@@ -743,34 +740,28 @@ def _through_identity(value: Any) -> Any:
 def _add_proto_nodes(graph: Any, protos: list, values: dict[str, Any]) -> dict[str, Any]:
     """Append ``protos`` (onnx NodeProtos naming their inputs) to ``graph``, each input the graph's value of that
     name (``values``, updated with the new outputs; a name it lacks is a bug here, said as one); returns the new
-    outputs by name. The caller sorts the graph afterwards."""
-    import logging
-
+    outputs by name. The caller sorts the graph afterwards. The nodes are built from their parts, not by
+    ``ir.serde.deserialize_node``: a lone node's deserialization warns of every input it cannot find (177 lines in a
+    SmolLM2 fp32-slot build), all of which are the graph's values."""
     import onnx_ir as ir
 
-    # deserialize_node sees a lone node, so it warns of every input it cannot find — which are all set below
-    serde_log = logging.getLogger("onnx_ir.serde")
-    level = serde_log.level
-    serde_log.setLevel(logging.ERROR)
-    try:
-        return _append_protos(graph, protos, values, ir)
-    finally:
-        serde_log.setLevel(level)
-
-
-def _append_protos(graph: Any, protos: list, values: dict[str, Any], ir: Any) -> dict[str, Any]:
     created = {}
     for proto in protos:
-        node = ir.serde.deserialize_node(proto)
-        for index, name in enumerate(proto.input):
-            if name and name not in values:
-                raise ValueError(f"{proto.op_type} reads {name!r}, which the graph lacks")
-            if name:
-                node.replace_input_with(index, values[name])
+        if missing := [name for name in proto.input if name and name not in values]:
+            raise ValueError(f"{proto.op_type} reads {missing[0]!r}, which the graph lacks")
+        node = ir.Node(
+            proto.domain,
+            proto.op_type,
+            [values[name] if name else None for name in proto.input],
+            [ir.serde.deserialize_attribute(attribute) for attribute in proto.attribute],
+            num_outputs=len(proto.output),
+            name=proto.name or None,
+        )
         graph.append(node)
-        for output in node.outputs:
-            values[output.name] = output
-            created[output.name] = output
+        for output, name in zip(node.outputs, proto.output, strict=True):
+            output.name = name
+            values[name] = output
+            created[name] = output
     return created
 
 

@@ -6,6 +6,8 @@ everywhere (where the kernel's output is not taken it writes one row into an emp
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import onnx
 import pytest
@@ -67,6 +69,21 @@ def _session(bundle, ids, monkeypatch, mode: str):
     return np.concatenate(rows), arrays_long, state.arrays(), seen
 
 
+def _assert_same_session(session, other, assert_close) -> None:
+    """Two ``_session`` results: their logits, and every saved state's positions equal and its other tensors'
+    filled slots by ``assert_close`` (a slot's rows beyond the filled ones are never read)."""
+    assert_close(session[0], other[0])
+    for saved, other_saved in ((session[1], other[1]), (session[2], other[2])):
+        for name, value in saved.items():
+            if name.endswith(".pos"):
+                np.testing.assert_array_equal(value, other_saved[name], err_msg=name)
+                continue
+            filled = saved[name.rsplit(".", 1)[0] + ".pos"] >= 0
+            if value.ndim == 4:
+                filled = np.pad(filled, ((0, 0), (0, 0), (0, value.shape[2] - filled.shape[2])))
+            assert_close(value[filled], other_saved[name][filled], err_msg=name)
+
+
 def test_the_prompt_graph_exposes_each_layers_kernel_over_the_state(fp32_slots):
     graph = onnx.load(fp32_slots / "prefill.onnx", load_external_data=False).graph
     inputs = {value.name for value in graph.input}
@@ -85,18 +102,7 @@ def test_binding_the_presents_changes_no_answer(fp32_slots, ids, monkeypatch):
     never = _session(fp32_slots, ids, monkeypatch, "never")
     everywhere = _session(fp32_slots, ids, monkeypatch, "always")
     for other in (never, everywhere):
-        np.testing.assert_array_equal(proved[0], other[0])
-        for saved, other_saved in ((proved[1], other[1]), (proved[2], other[2])):
-            for name, value in saved.items():
-                if name.endswith(".pos"):
-                    np.testing.assert_array_equal(value, other_saved[name])
-                else:  # a slot's rows beyond the filled ones are never read; compare the filled ones
-                    filled = saved[name.rsplit(".", 1)[0] + ".pos"] >= 0
-                    if value.ndim == 4:
-                        filled = np.pad(filled, ((0, 0), (0, 0), (0, value.shape[2] - filled.shape[2])))
-                        np.testing.assert_array_equal(value[filled], other_saved[name][filled], err_msg=name)
-                    else:
-                        np.testing.assert_array_equal(value[filled], other_saved[name][filled], err_msg=name)
+        _assert_same_session(proved, other, np.testing.assert_array_equal)
     # the rule: in place for the long prompt's 8 chunks (120 rows) and the short prompt's 2 (no temporary state:
     # 40 + 1 rows), never once the state's contents are unknown (after the long prompt's selection); the chunk
     # after the short prompt (30 + 16 > 41 rows) is not proved either
@@ -182,17 +188,8 @@ def test_folding_rope_into_the_kernel_changes_no_answer(fp32_slots, fp32_slots_u
     not: an appending chunk's k/v rows are the kernel's present rows, a judged call rotates q/k in its branch."""
     folded = _session(fp32_slots, ids, monkeypatch, mode)
     unfolded = _session(fp32_slots_unfolded, ids, monkeypatch, mode)
-    np.testing.assert_allclose(folded[0], unfolded[0], rtol=0, atol=1e-5)
-    for saved, other in ((folded[1], unfolded[1]), (folded[2], unfolded[2])):
-        assert saved.keys() == other.keys()
-        for name, value in saved.items():
-            if name.endswith(".pos"):
-                np.testing.assert_array_equal(value, other[name], err_msg=name)
-            else:
-                filled = saved[name.rsplit(".", 1)[0] + ".pos"] >= 0
-                if value.ndim == 4:
-                    filled = np.pad(filled, ((0, 0), (0, 0), (0, value.shape[2] - filled.shape[2])))
-                np.testing.assert_allclose(value[filled], other[name][filled], rtol=0, atol=1e-5, err_msg=name)
+    assert folded[1].keys() == unfolded[1].keys() and folded[2].keys() == unfolded[2].keys()
+    _assert_same_session(folded, unfolded, partial(np.testing.assert_allclose, rtol=0, atol=1e-5))
 
 
 def test_an_appending_chunk_runs_no_ordering_chain_and_one_index(fp32_slots):
