@@ -25,8 +25,8 @@ def last_state(model: Model) -> dict[str, np.ndarray]:
 
 def assert_reads_precede_in_place_writes(graph: onnx.GraphProto) -> None:
     """Every state output the runtime binds to its input's buffer (``new_cache.*``, ``present.*``) is written by a
-    ScatterElements (behind Identities) whose data every other reader has read before: each such reader is an
-    ancestor of the write. A reader that is not could run after the buffer changed under it."""
+    ScatterElements or ScatterND (behind Identities) whose data every other reader has read before: each such
+    reader is an ancestor of the write. A reader that is not could run after the buffer changed under it."""
     producers = {output: node for node in graph.node for output in node.output}
     readers: dict[str, list] = {}
     for node in graph.node:
@@ -49,7 +49,7 @@ def assert_reads_precede_in_place_writes(graph: onnx.GraphProto) -> None:
         writer = producers.get(output.name)
         while writer is not None and writer.op_type == "Identity":
             writer = producers.get(writer.input[0])
-        if writer is None or writer.op_type != "ScatterElements":
+        if writer is None or writer.op_type not in ("ScatterElements", "ScatterND"):
             continue
         before = ancestors(writer)
         for reader in readers.get(writer.input[0], []):
@@ -326,9 +326,10 @@ def test_batched_eviction_equals_the_op_body_for_every_policy(tmp_path_factory, 
     decode = onnx.load(str(native / "model.onnx"), load_external_data=False)
     layers = manifest(native)["model"]["num_layers"]
     assert_reads_precede_in_place_writes(decode.graph)
-    # each layer's k and v written by its own scatters (the token into the spare row, then into its slot), the
-    # positions and scores of all layers by one each
-    assert [node.op_type for node in decode.graph.node].count("ScatterElements") == 4 * layers + 2
+    # each layer's k and v written by its own row scatters (the token into the spare row, then into its slot),
+    # the positions and scores of all layers by one element-wise scatter each
+    ops = [node.op_type for node in decode.graph.node]
+    assert (ops.count("ScatterND"), ops.count("ScatterElements")) == (4 * layers, 2)
     fast, reference = Model.load(native), Model.load(portable)
     prompt = text_ids[:50]
     assert fast.generate(prompt, max_new_tokens=30) == reference.generate(prompt, max_new_tokens=30)
