@@ -563,8 +563,9 @@ def batch_decode_evictions(model: Any, spec: CacheSpec) -> int:
     once, over all of them: their slot positions, scores and the kernels' probabilities concatenated along the
     head axis (layer after layer), then ``_evict_into_weakest`` as the op runs it — the policy's update, the
     forced slots, ArgMin — for layers × KV heads at once, and each layer's k and v written into its weakest slots
-    by its own ScatterElements, as before. The arithmetic is per KV head, so every result is the same bits; what
-    goes is ~25 small nodes per layer (SmolLM2: ~700 of a step's ~3,200 kernels, ONNX Runtime's per-node cost).
+    by its own scatter, as before (a ScatterND of the token's row per KV head: ``_scatter_rows_instead``). The
+    arithmetic is per KV head, so every result is the same bits; what goes is ~25 small nodes per layer (SmolLM2:
+    ~700 of a step's ~3,200 kernels, ONNX Runtime's per-node cost).
     The positions and scores are written by one ScatterElements each and split back into the layers' outputs;
     every reader of those state inputs (the concatenation, the shared bias) stays an ancestor of that write, as
     the in-place binding requires (the kernels' probabilities, or for a policy that reads none the last kernel's
