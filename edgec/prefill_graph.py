@@ -628,13 +628,14 @@ def batch_decode_evictions(model: Any, spec: CacheSpec) -> int:
     # [B,n·Hkv,1,3] (batch, head within its layer, slot) — ScatterElements' index per channel costs ~10x more in
     # ONNX Runtime for the same 3 rows of 64 values (4.6 against 0.4 µs a write, 120 writes a SmolLM2 step)
     kv_scatters = [node for node in b.nodes if node.output[0] in (evicted["k_cache_out"], evicted["v_cache_out"])]
-    expanded_by = {node.output[0]: node for node in b.nodes if node.op_type == "Expand"}
-    slot_rows = {node.output[0]: expanded_by[node.input[1]].input[0] for node in kv_scatters}
+    producer = {output: node for node in b.nodes for output in node.output}
+    # ScatterElements' index: Expand(Unsqueeze(slots [B,n·Hkv,1], -1), [1,1,1,D])
+    slots = {node.output[0]: producer[producer[node.input[1]].input[0]].input[0] for node in kv_scatters}
     b.nodes = [node for node in b.nodes if node not in kv_scatters]
     sizes = b.i64([layer.num_kv_heads for layer in layers])
     split_names = {}
     for name, key in (("k", evicted["k_cache_out"]), ("v", evicted["v_cache_out"])):
-        rows = _layer_row_index(b, slot_rows[key], layers[0].num_kv_heads)
+        rows = compressed_function._row_index(b, slots[key], heads_per_buffer=layers[0].num_kv_heads)
         split_names[name] = b.op("Split", rows, sizes, axis=1, outputs=len(layers))
     for name in ("pos", "score"):
         split_names[name] = b.op("Split", evicted[f"{name}_out"], sizes, axis=1, outputs=len(layers))
@@ -650,16 +651,6 @@ def batch_decode_evictions(model: Any, spec: CacheSpec) -> int:
         for name in ("pos", "score"):
             take_over(values[output_name(layer.layer, name)], created[split_names[name][index]])
     return len(layers)
-
-
-def _layer_row_index(b: Any, slot_rows: str, kv_heads: int) -> str:
-    """ScatterND's indices [B,n·Hkv,1,3] (batch, head within its layer, slot) for the slots [B,n·Hkv,1,1] of n
-    layers' KV heads concatenated (each layer ``kv_heads`` of them)."""
-    grid = b.op("Shape", slot_rows)
-    batch = b.op("Range", b.i64(0), b.op("Squeeze", b.shape(slot_rows, 0)), b.i64(1))
-    heads = b.op("Mod", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(slot_rows, 1)), b.i64(1)), b.i64(kv_heads))
-    parts = (b.op("Reshape", batch, b.i64([-1, 1, 1, 1])), b.op("Reshape", heads, b.i64([1, -1, 1, 1])), slot_rows)
-    return b.op("Concat", *(b.op("Expand", part, grid) for part in parts), axis=-1)
 
 
 def _scatter_rows_instead(graph: Any, scatter: Any, row_index: Any) -> None:

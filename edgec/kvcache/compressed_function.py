@@ -786,13 +786,17 @@ def _direct_writes(
     return written | {name: b.op("ScatterND", current[name], index, incoming[name]) for name in names}
 
 
-def _row_index(b: Body, slots: str, like: str | None = None) -> str:
+def _row_index(b: Body, slots: str, like: str | None = None, heads_per_buffer: int | None = None) -> str:
     """ScatterND's indices [B,Hkv,T,3] (batch, head, slot) for ``slots`` [B,Hkv,T] (or one row of them that
-    broadcasts to ``like``'s shape)."""
+    broadcasts to ``like``'s shape). ``heads_per_buffer``: the heads axis concatenates several buffers' heads, this
+    many each (a batched eviction's layers): each index names the head within its own buffer."""
     like = like or slots
     grid = b.op("Concat", b.op("Shape", like), b.i64([1]), axis=0)  # [B,Hkv,T,1]
     batch = b.op("Reshape", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(like, 0)), b.i64(1)), b.i64([-1, 1, 1, 1]))
-    heads = b.op("Reshape", b.op("Range", b.i64(0), b.op("Squeeze", b.shape(like, 1)), b.i64(1)), b.i64([1, -1, 1, 1]))
+    heads = b.op("Range", b.i64(0), b.op("Squeeze", b.shape(like, 1)), b.i64(1))
+    if heads_per_buffer is not None:
+        heads = b.op("Mod", heads, b.i64(heads_per_buffer))
+    heads = b.op("Reshape", heads, b.i64([1, -1, 1, 1]))
     at_slot = b.op("Unsqueeze", slots, b.i64([-1]))
     return b.op("Concat", *(b.op("Expand", axis, grid) for axis in (batch, heads, at_slot)), axis=-1)
 
