@@ -609,11 +609,15 @@ def batch_decode_evictions(model: Any, spec: CacheSpec) -> int:
     score = b.op("Concat", *[StateTensor(layer.layer, "score").input for layer in layers], axis=1)
     capacity = b.shape(pos, 2)
     total = None
-    if policy.needs:  # the probabilities [B,n·H,1,C+1], summed over each KV head's query heads as _decode_gqa does
-        probs = b.op("Concat", *[writes[layer.layer][0].outputs[3].name for layer in layers], axis=1)
+    if policy.needs:
+        # each layer's probabilities [B,H,1,C+1] summed over each KV head's query heads as _decode_gqa does, then
+        # concatenated: a third of the bytes to copy than concatenating the probabilities first (SmolLM2: 0.37
+        # against 1.1 MB a step)
         rows = b.op("Add", capacity, b.i64([1]))
-        grouped_shape = b.op("Concat", b.i64([0, heads.kv, heads.query // heads.kv]), rows, axis=0)
-        total = b.op("ReduceSum", b.op("Reshape", probs, grouped_shape), b.i64([2]), keepdims=0)
+        grouped_shape = b.op("Concat", b.i64([0, layers[0].num_kv_heads, heads.query // heads.kv]), rows, axis=0)
+        probs = [writes[layer.layer][0].outputs[3].name for layer in layers]
+        sums = [b.op("ReduceSum", b.op("Reshape", p, grouped_shape), b.i64([2]), keepdims=0) for p in probs]
+        total = b.op("Concat", *sums, axis=1)  # [B,n·Hkv,C+1]
     position = b.op("Unsqueeze", "position_ids", b.i64([1]))  # [B,1,1]
     step = compressed_function._Step(capacity, b.op("GreaterOrEqual", pos, b.i64(0)), position)
     last_out = writes[layers[-1].layer][0].outputs[0].name  # after every kernel: the model's layers are in sequence
