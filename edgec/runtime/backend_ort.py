@@ -210,8 +210,12 @@ def _own_mapping(array: np.ndarray) -> np.ndarray:
     if array.nbytes == 0:
         return array
     copy = np.frombuffer(mmap.mmap(-1, array.nbytes), array.dtype).reshape(array.shape)
-    if array.any():  # the mapping starts zero-filled: untouched pages cost nothing until the prompt writes them
-        copy[...] = array
+    # a fresh state array holds one value throughout (CacheSpec.empty_layer: zeros, positions -1), and the mapping
+    # starts zero-filled: untouched pages cost nothing until the prompt writes them. Only the first value is read —
+    # scanning the zeros for a non-zero one (``array.any()``) faulted in every page of SmolLM2's 8K-token k/v: 46 ms
+    fill = array.reshape(-1)[0]
+    if fill:
+        copy.fill(fill)
     return copy
 
 

@@ -237,3 +237,24 @@ def test_int8_slots_and_plain_prompts_keep_onnx_runtime_s_default_order(tiny_lla
         for graph in (model._backend.graph, model._backend.prefill):
             if graph is not None:
                 assert graph.session.get_session_options().execution_order.name == "DEFAULT"
+
+
+@pytest.mark.parametrize(("dtype", "mixed"), [("fp32", "none"), ("int8", "none"), ("int4", "int8"), ("fp8", "fp16")])
+def test_fresh_state_arrays_hold_one_value_throughout(dtype, mixed):
+    """``_own_mapping`` reads a fresh state array's first value alone (a scan of the zeros faulted in every page of
+    a long prompt's k/v): every array ``CacheSpec.empty_layer`` makes must be that value throughout."""
+    from edgec.kvcache.compression import Compression
+    from edgec.kvcache.spec import CacheSpec, LayerCache, compressed_state
+
+    compression = Compression(capacity=40, dtype=dtype, mixed=mixed, window=8, sink=4)
+    layers = (
+        LayerCache(0, 2, 16, 40, compressed=True, state=compressed_state(compression)),
+        LayerCache(1, 2, 16, 64),
+    )
+    spec = CacheSpec(layers, compression=compression)
+    arrays = [array for _, array in spec.empty_state(compressed_slots=96)]
+    assert sum(array.size for array in arrays) > 0
+    for array in (array for array in arrays if array.size):
+        copy = backend_ort._own_mapping(array)
+        np.testing.assert_array_equal(copy, array)
+        assert (array == array.reshape(-1)[0]).all()
