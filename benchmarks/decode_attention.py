@@ -6,8 +6,9 @@ the `cpu` target's decode graph runs, ``decode_kernel`` gqa) against the same at
 Both forms read C + 1 rows of k and v in place (IO binding; one buffer pair per layer, ``--buffers`` of them visited
 in turn so that they leave the caches as a model's layers do) and return the output and the query's probabilities:
 the kernel in its static-cache mode (``seqlens_k`` = C, the attention bias, ``qk_output``), the MatMuls as
-``q [B,Hkv,G,D] · Kᵀ`` (ONNX Runtime fuses the transpose into the product), scale, bias, Softmax, ``· V`` — the query
-heads of one KV head as the rows of one product. Before timing, the two are checked to give the same output.
+``q [B,Hkv,G,D] · Kᵀ`` (ONNX Runtime fuses the transpose into the product; the query heads of one KV head are the
+rows of one product), scale, bias, Softmax, ``· V`` one query head per product ([B,Hkv,G,1,C+1] · [B,Hkv,1,C+1,D]:
+a one-row product streams V, a G-row one packs it first). Before timing, the two are checked to give the same output.
 Not measured here: what the MatMul form would add in a graph (the token's k/v written into the spare row, RoPE,
 which the kernel does itself). Results: benchmarks/out/decode_attention.json; the printed table goes into
 docs/BENCHMARKS.md. Default head layout: SmolLM2-135M's (9 query heads, 3 KV heads, head dim 64, 30 layers).
@@ -70,7 +71,10 @@ def _graph(form: str, heads: int, kv_heads: int, dim: int, rows: int):
             helper.make_node("Mul", ["scores", "scale"], ["scaled"]),
             helper.make_node("Add", ["scaled", "bias"], ["biased"]),
             helper.make_node("Softmax", ["biased"], ["probs_grouped"], axis=-1),
-            helper.make_node("MatMul", ["probs_grouped", "past_v"], ["context"]),  # [B,Hkv,G,D]
+            # one query head per product, as prefill_graph.decode_kernels_as_matmuls writes it: [B,Hkv,G,1,D]
+            helper.make_node("Reshape", ["probs_grouped", "rows"], ["probs_rows"]),
+            helper.make_node("Unsqueeze", ["past_v", "axis2"], ["v_rows"]),
+            helper.make_node("MatMul", ["probs_rows", "v_rows"], ["context"]),
             helper.make_node("Reshape", ["context", "flat"], ["out"]),
             helper.make_node("Reshape", ["probs_grouped", "per_head"], ["probs"]),
         ]
@@ -79,6 +83,8 @@ def _graph(form: str, heads: int, kv_heads: int, dim: int, rows: int):
             helper.make_tensor("flat", TensorProto.INT64, [3], [1, 1, heads * dim]),
             helper.make_tensor("per_head", TensorProto.INT64, [4], [1, heads, 1, rows]),
             helper.make_tensor("scale", f32, [], [float(scale)]),
+            helper.make_tensor("rows", TensorProto.INT64, [5], [1, kv_heads, group, 1, rows]),
+            helper.make_tensor("axis2", TensorProto.INT64, [1], [2]),
         ]
         inputs = [helper.make_tensor_value_info("q", f32, [1, 1, heads * dim]), *cache, bias]
         graph = helper.make_graph(nodes, "matmuls", inputs, outputs, initializer=constants)
