@@ -178,13 +178,19 @@ def _allocate(
     compressed_only: bool = False,
 ) -> list[StateEntry]:
     """Fresh state on ``device`` (a GPU copy is made once here; steps then update it in place there).
-    ``temporary`` (a long prompt's state, dropped when the prompt ends): host buffers of their own mappings;
-    ``compressed_only``: the compressed layers' tensors alone (the others keep their buffers through a prompt)."""
-    own = temporary and device.kind == "cpu"
-    return [
-        (tensor, ort.OrtValue.ortvalue_from_numpy(_own_mapping(array) if own else array, device.kind, device.index))
-        for tensor, array in spec.empty_state(compressed_slots, compressed_only)
-    ]
+    ``temporary`` (a long prompt's state, dropped when the prompt ends); ``compressed_only``: the compressed layers'
+    tensors alone (the others keep their buffers through a prompt). On the CPU a temporary state and the compressed
+    layers' slots are host buffers of their own mappings (``_own_mapping``): the temporary state so that it goes
+    back to the system when the prompt ends, the slots so that their zeros stay untouched — not resident — until
+    written. From the heap, the slots came as recycled pages, resident from the start, and an `end` prompt writes
+    them only at its end: 13–47 MB of SmolLM2's 8K-prompt peak, run to run (docs/BENCHMARKS.md)."""
+    compressed = {layer.layer for layer in spec.layers if layer.compressed}
+
+    def value(tensor: StateTensor, array: np.ndarray) -> ort.OrtValue:
+        own = device.kind == "cpu" and (temporary or tensor.layer in compressed)
+        return ort.OrtValue.ortvalue_from_numpy(_own_mapping(array) if own else array, device.kind, device.index)
+
+    return [(tensor, value(tensor, array)) for tensor, array in spec.empty_state(compressed_slots, compressed_only)]
 
 
 def available_memory() -> int | None:

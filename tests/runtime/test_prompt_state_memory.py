@@ -42,18 +42,55 @@ def test_the_temporary_state_is_its_own_mappings_and_freed_when_the_prompt_ends(
     monkeypatch.setattr(backend_ort, "_own_mapping", recorded)
     model = Model.load(fp32_slots)
     state = model._backend.open_state()
-    assert not mappings  # the real state (C slots) is an ordinary allocation, kept for the state's life
+    compressed = sum(1 for layer in model.cache_spec.layers if layer.compressed)
+    per_state = compressed * len(model.cache_spec.layers[0].state)
+    # the real state's slots are mappings of their own too (untouched zeros, not resident until written), kept
+    assert len(mappings) == per_state
+    real, mappings[:] = list(mappings), []
     ids = np.array(model.encode(pydoc_text()[:3000])[:100])
     state.reset()
     state.begin_prompt(len(ids))
-    compressed = sum(1 for layer in model.cache_spec.layers if layer.compressed)
-    assert len(mappings) == compressed * len(model.cache_spec.layers[0].state)
+    assert len(mappings) == per_state
     assert all(ref() is not None for ref in mappings)
     for start in range(0, len(ids), 16):
         state.run(ids[start : start + 16], start, last_only=True)
     state.end_prompt(len(ids) - 1, last_chunk_start=96)
     gc.collect()
     assert all(ref() is None for ref in mappings)  # unmapped: nothing of the prompt's state is left resident
+    assert all(ref() is not None for ref in real)  # the slots the prompt's selection was written into
+
+
+def test_the_slots_are_not_resident_until_written(fp32_slots):
+    """A fresh state's slots are zero pages the process has not touched: an `end` prompt writes them only when it
+    ends, and they must not count in its peak meanwhile (from the heap they came as recycled, resident pages)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("mincore residency: Linux")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+    def resident_pages(array: np.ndarray) -> int:
+        start = array.__array_interface__["data"][0]
+        low = start - start % mmap.PAGESIZE
+        pages = -(-(start + array.nbytes - low) // mmap.PAGESIZE)
+        vector = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(low, pages * mmap.PAGESIZE, vector) == 0
+        return sum(byte & 1 for byte in vector)
+
+    model = Model.load(fp32_slots)
+    state = model._backend.open_state()
+    state.reset()
+    slots = {tensor.input: value.numpy() for tensor, value in state._state if tensor.name in ("k", "v")}
+    assert slots and all(resident_pages(array) == 0 for array in slots.values())
+    ids = np.array(model.encode(pydoc_text()[:3000])[:100])
+    state.begin_prompt(len(ids))
+    for start in range(0, len(ids), 16):
+        state.run(ids[start : start + 16], start, last_only=True)
+    assert all(resident_pages(array) == 0 for array in slots.values())  # the prompt went to the temporary state
+    state.end_prompt(len(ids) - 1, last_chunk_start=96)
+    assert all(resident_pages(array) > 0 for array in slots.values())
 
 
 @pytest.mark.parametrize("fill", [0, -1, 2.5])
