@@ -443,4 +443,4 @@ def select_slots(
         chosen = np.broadcast_to(np.arange(state["pos"].shape[-1]), state["pos"].shape)
     else:
         chosen = np.sort(np.argsort(-keep, axis=-1, kind="stable")[..., :capacity], axis=-1)
-    return {name: np.ascontiguousarray(_rows(value, chosen)) for name, value in state.items()}
+    return {name: _rows(value, chosen) for name, value in state.items()}  # a gather: new, contiguous arrays
