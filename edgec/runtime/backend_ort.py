@@ -67,14 +67,17 @@ def session_options(
     initializers: dict[str, ort.OrtValue] | None = None,
     prepack: bool = True,
     priority_order: bool = False,
+    memory_pattern: bool = True,
 ) -> ort.SessionOptions:
     """``spin`` None: chosen by ``allow_spinning``; True/False as given (a calibration's measured choice).
     ``initializers``: weights the session uses where they lie instead of loading its own (``shared_weights``);
     ``prepack`` False: it packs no weight into a form of its own; ``priority_order``: ONNX Runtime's
-    priority-based node order instead of its default (``prompt_order_by_priority``)."""
+    priority-based node order instead of its default (``prompt_order_by_priority``); ``memory_pattern`` False:
+    no ONNX Runtime memory pattern (``PROMPT_MEMORY_PATTERN``)."""
     options = ort.SessionOptions()
     if priority_order:
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    options.enable_mem_pattern = memory_pattern
     for name, value in (initializers or {}).items():
         options.add_initializer(name, value)
     if not prepack:
@@ -138,14 +141,15 @@ class OrtGraph:
         initializers: dict[str, ort.OrtValue] | None = None,
         prepack: bool = True,
         priority_order: bool = False,
+        memory_pattern: bool = True,
     ) -> None:
-        """``initializers`` / ``prepack`` / ``priority_order``: as ``session_options`` takes them (the session keeps
-        the initializers)."""
+        """``initializers`` / ``prepack`` / ``priority_order`` / ``memory_pattern``: as ``session_options`` takes
+        them (the session keeps the initializers)."""
         per_provider = [(provider_options or {}).get(name, {}) for name in providers]
         self.device = StateDevice.for_providers(providers, provider_options)
         if providers[0] == "CUDAExecutionProvider":
             check_cuda_can_start()
-        options = session_options(threads, spin, initializers, prepack, priority_order)
+        options = session_options(threads, spin, initializers, prepack, priority_order, memory_pattern)
         self.session = ort.InferenceSession(
             str(model_path), options, providers=providers, provider_options=per_provider
         )
@@ -555,6 +559,14 @@ class StaticOrtCacheState:
         return logits[-1:] if last_only else logits
 
 
+# ONNX Runtime's memory pattern for a prompt-chunk graph: off. A pattern (one block for a run's intermediates,
+# planned from an earlier run of the same input shapes) buys a prompt chunk nothing — its intermediates' sizes
+# change with the past it attends to — and keeps ~15 MB more resident: SmolLM2 int4, 8K prompt, 2 threads, peak
+# 0.984 → 0.970 GiB with 1,024 fp32 slots and 0.870 → 0.853 with the plain cache, the prompt's time unchanged
+# (docs/BENCHMARKS.md, twenty-sixth round). A one-token step keeps it (the same shapes every step).
+PROMPT_MEMORY_PATTERN = False
+
+
 def prompt_order_by_priority(spec: CacheSpec) -> bool:
     """Whether a prompt-chunk graph runs in ONNX Runtime's priority-based node order: over fp32 slots read in place
     (``decode_kernel`` gqa). Its default order (a walk back from the graph's outputs) writes every layer's new k/v
@@ -607,6 +619,7 @@ def open_backend(
                 shared,
                 prepack=not shared,  # the mapped weights stay unpacked there (shared_weights: why)
                 priority_order=prompt_order_by_priority(spec),
+                memory_pattern=PROMPT_MEMORY_PATTERN,
             )
         backend = OrtBackend(first, vocab, prefill_chunk, prefill)
         backend.no_logits_rows = model.get("no_logits_rows") is True

@@ -232,6 +232,25 @@ def test_an_fp32_slot_prompt_writes_each_layer_s_state_before_the_next_layer(fp3
     assert model.generate(ids, max_new_tokens=8) == default.generate(ids, max_new_tokens=8)
 
 
+def test_the_prompt_session_plans_no_memory_pattern_and_answers_as_with_one(fp32_slots, monkeypatch):
+    """The prompt-chunk session runs without ONNX Runtime's memory pattern (``PROMPT_MEMORY_PATTERN``: ~15 MB of
+    SmolLM2's 8K-prompt peak, docs/BENCHMARKS.md); the one-token session keeps its. With or without it, the same
+    state, logits and tokens."""
+    model = Model.load(fp32_slots)
+    assert model._backend.prefill.session.get_session_options().enable_mem_pattern is False
+    assert model._backend.graph.session.get_session_options().enable_mem_pattern is True
+    monkeypatch.setattr(backend_ort, "PROMPT_MEMORY_PATTERN", True)
+    patterned = Model.load(fp32_slots)
+    assert patterned._backend.prefill.session.get_session_options().enable_mem_pattern is True
+    ids = model.encode(pydoc_text()[:3000])[:100]  # an `end` prompt of 7 chunks, then steps over the 40 slots
+    states = [one._backend.open_state() for one in (model, patterned)]
+    logits = [model._prefill(state, np.asarray(ids), all_logits=False) for state in states]
+    np.testing.assert_array_equal(logits[0], logits[1])
+    arrays = [state.arrays() for state in states]
+    assert all(np.array_equal(arrays[0][name], arrays[1][name]) for name in arrays[0])
+    assert model.generate(ids, max_new_tokens=8) == patterned.generate(ids, max_new_tokens=8)
+
+
 @pytest.mark.parametrize(
     "policy,prefill", [("h2o", "end"), ("tova", "end"), ("streaming", "end"), ("adaptive", "end"), ("snapkv", "chunk")]
 )
