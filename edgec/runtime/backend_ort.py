@@ -559,11 +559,12 @@ class StaticOrtCacheState:
         return logits[-1:] if last_only else logits
 
 
-# ONNX Runtime's memory pattern for a prompt-chunk graph: off. A pattern (one block for a run's intermediates,
-# planned from an earlier run of the same input shapes) buys a prompt chunk nothing — its intermediates' sizes
-# change with the past it attends to — and keeps ~15 MB more resident: SmolLM2 int4, 8K prompt, 2 threads, peak
-# 0.984 → 0.970 GiB with 1,024 fp32 slots and 0.870 → 0.853 with the plain cache, the prompt's time unchanged
-# (docs/BENCHMARKS.md, twenty-sixth round). A one-token step keeps it (the same shapes every step).
+# ONNX Runtime's memory pattern for a prompt-chunk graph on the CPU: off. A pattern (one block for a run's
+# intermediates, planned from an earlier run of the same input shapes) buys a prompt chunk nothing — its
+# intermediates' sizes change with the past it attends to — and keeps ~15 MB more resident: SmolLM2 int4, 8K prompt,
+# 2 threads, peak 0.998 → 0.984 GiB with 1,024 fp32 slots and 0.870 → 0.853 with the plain cache, the prompt's time
+# unchanged (docs/BENCHMARKS.md, twenty-sixth round). A one-token step keeps it (the same shapes every step), and so
+# does a GPU session (not measured there).
 PROMPT_MEMORY_PATTERN = False
 
 
@@ -619,7 +620,7 @@ def open_backend(
                 shared,
                 prepack=not shared,  # the mapped weights stay unpacked there (shared_weights: why)
                 priority_order=prompt_order_by_priority(spec),
-                memory_pattern=PROMPT_MEMORY_PATTERN,
+                memory_pattern=PROMPT_MEMORY_PATTERN or providers[0] != "CPUExecutionProvider",
             )
         backend = OrtBackend(first, vocab, prefill_chunk, prefill)
         backend.no_logits_rows = model.get("no_logits_rows") is True
