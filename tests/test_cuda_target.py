@@ -415,3 +415,17 @@ def test_quantized_weights_run_in_the_fp16_graph(tiny_llama, tmp_path, weights):
         want = reference.next_token_logits(prompt)
         got = model.next_token_logits(prompt).astype(np.float32)
         assert np.abs(got - want).max() < 0.15
+
+
+def test_a_gpu_bundle_s_prompt_session_keeps_its_memory_pattern(tiny_llama, tmp_path, stand_in_cuda):
+    """Prompt-chunk sessions plan no ONNX Runtime memory pattern on the CPU (``PROMPT_MEMORY_PATTERN``, measured
+    there); a GPU bundle's, where it was not measured, keeps its, as the one-token session does."""
+    settings = dict(context=128, prefill_chunk=16, kv_capacity=40, kv_window=8, kv_dtype="fp32")
+    cuda = tmp_path / "cuda.fp32-slots.edgec"
+    build(tiny_llama, cuda, build_settings(target="cuda", **settings))
+    on_gpu = Model.load(cuda)
+    assert on_gpu.providers[0] == "CUDAExecutionProvider" and on_gpu._backend.prefill is not None
+    assert on_gpu._backend.prefill.session.get_session_options().enable_mem_pattern is True
+    assert on_gpu._backend.graph.session.get_session_options().enable_mem_pattern is True
+    on_cpu = Model.load(cuda, providers=CPU)
+    assert on_cpu._backend.prefill.session.get_session_options().enable_mem_pattern is False
