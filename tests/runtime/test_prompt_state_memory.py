@@ -204,6 +204,16 @@ def _prompt_session_ops(bundle, monkeypatch, tmp_path, ids) -> list[str]:
     return [e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})]
 
 
+def _assert_same_answers(model: Model, other: Model, ids: list[int]) -> None:
+    """Two loads of one bundle read ``ids`` into the same state with the same logits, and generate the same tokens."""
+    states = [one._backend.open_state() for one in (model, other)]
+    logits = [model._prefill(state, np.asarray(ids), all_logits=False) for state in states]
+    np.testing.assert_array_equal(logits[0], logits[1])
+    arrays = [state.arrays() for state in states]
+    assert all(np.array_equal(arrays[0][name], arrays[1][name]) for name in arrays[0])
+    assert model.generate(ids, max_new_tokens=8) == other.generate(ids, max_new_tokens=8)
+
+
 def test_an_fp32_slot_prompt_writes_each_layer_s_state_before_the_next_layer(fp32_slots, monkeypatch, tmp_path):
     """Over fp32 slots the prompt-chunk session runs in ONNX Runtime's priority-based order, in which each layer
     writes its new k/v rows (the ScatterND after the op's branches) right after its attention — in the default
@@ -224,12 +234,7 @@ def test_an_fp32_slot_prompt_writes_each_layer_s_state_before_the_next_layer(fp3
     monkeypatch.setattr(backend_ort, "prompt_order_by_priority", lambda spec: False)
     default = Model.load(fp32_slots)
     assert default._backend.prefill.session.get_session_options().execution_order.name == "DEFAULT"
-    states = [one._backend.open_state() for one in (model, default)]
-    logits = [model._prefill(state, np.asarray(ids), all_logits=False) for state in states]
-    np.testing.assert_array_equal(logits[0], logits[1])
-    arrays = [state.arrays() for state in states]
-    assert all(np.array_equal(arrays[0][name], arrays[1][name]) for name in arrays[0])
-    assert model.generate(ids, max_new_tokens=8) == default.generate(ids, max_new_tokens=8)
+    _assert_same_answers(model, default, ids)
 
 
 def test_the_prompt_session_plans_no_memory_pattern_and_answers_as_with_one(fp32_slots, monkeypatch):
@@ -243,12 +248,7 @@ def test_the_prompt_session_plans_no_memory_pattern_and_answers_as_with_one(fp32
     patterned = Model.load(fp32_slots)
     assert patterned._backend.prefill.session.get_session_options().enable_mem_pattern is True
     ids = model.encode(pydoc_text()[:3000])[:100]  # an `end` prompt of 7 chunks, then steps over the 40 slots
-    states = [one._backend.open_state() for one in (model, patterned)]
-    logits = [model._prefill(state, np.asarray(ids), all_logits=False) for state in states]
-    np.testing.assert_array_equal(logits[0], logits[1])
-    arrays = [state.arrays() for state in states]
-    assert all(np.array_equal(arrays[0][name], arrays[1][name]) for name in arrays[0])
-    assert model.generate(ids, max_new_tokens=8) == patterned.generate(ids, max_new_tokens=8)
+    _assert_same_answers(model, patterned, ids)
 
 
 @pytest.mark.parametrize(
