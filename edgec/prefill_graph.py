@@ -956,7 +956,8 @@ def _one_branch(path: Path, kind: str) -> bool:
 def _unsplit(node) -> bool:
     """MatMulNBits(split rows of x) → halves summed  ⇒  MatMulNBits(x) at fp32 activations. False if ``node`` is
     not that pattern (``_split_rows``: Reshape(Concat(high, Sub(blocks, high))), blocks = Reshape(x); the result
-    read by Reshape [0, 2, -1, N] and ReduceSum over axis 1). 8-bit codes without zero points become their nibble
+    summed by ReduceSum over axis 0 — the halves stacked as the batch — or, for a batch other than one, by Reshape
+    [0, 2, -1, N] and ReduceSum over axis 1). 8-bit codes without zero points become their nibble
     pair there (``_weights.at_fp32_activations``): ONNX Runtime's fp32 kernel for 8-bit weights is slow."""
     import onnx_ir as ir
 
@@ -971,9 +972,11 @@ def _unsplit(node) -> bool:
     sub = producer(concat.inputs[1], "Sub") if concat and len(concat.inputs) == 2 else None
     blocks = producer(sub.inputs[0], "Reshape") if sub else None
     uses = list(node.outputs[0].uses())
-    pairs = uses[0].node if len(uses) == 1 and uses[0].node.op_type == "Reshape" else None
-    pair_uses = list(pairs.outputs[0].uses()) if pairs else []
-    total = pair_uses[0].node if len(pair_uses) == 1 and pair_uses[0].node.op_type == "ReduceSum" else None
+    after = uses[0].node if len(uses) == 1 else None
+    if after is not None and after.op_type == "Reshape":  # rows [B, 2T, N] → [B, 2, T, N], summed
+        pair_uses = list(after.outputs[0].uses())
+        after = pair_uses[0].node if len(pair_uses) == 1 else None
+    total = after if after is not None and after.op_type == "ReduceSum" else None
     if blocks is None or total is None:
         return False
     graph = node.graph

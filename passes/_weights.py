@@ -349,26 +349,34 @@ def _nbits_product(
     nibbles — exact, and ONNX Runtime's fp32 kernel for 8-bit weights is many times slower than its 4-bit one.
     ``split_activations`` (int8 activations only): x is computed as two rows, see ``_split_rows``."""
     k, n, bits, block_size = shape
+    blocks = None
     if bits == 8 and accuracy_level <= 1 and zero_points is None:
         result = _nibble_pair(graph, tape, x, codes, scales, shape, accuracy_level)
     else:
         attributes = _matmul_nbits_attributes(k, n, bits, block_size, accuracy_level)
         split = split_activations and attributes["accuracy_level"] >= 2 and k % block_size == 0
         split = split and x.shape is not None and x.shape.rank() == 3
-        rows = _split_rows(graph, tape, x, k, block_size) if split else x
+        rows, blocks, stacked = _split_rows(graph, tape, x, k, block_size) if split else (x, None, False)
         result = tape.op(
             "MatMulNBits",
             [rows, codes, scales] + ([zero_points] if zero_points is not None else []),
             attributes=attributes,
             domain="com.microsoft",
         )
-        if split:  # [B, 2T, N] → the two halves' sum [B, T, N]
+        if stacked:  # [2, T, N] → the two halves' sum [1, T, N]
+            result = tape.op("ReduceSum", [result, _shared(graph, "axis.0", np.array([0]))], attributes={"keepdims": 1})
+        elif split:  # [B, 2T, N] → the two halves' sum [B, T, N]
             pairs = tape.op("Reshape", [result, _shared(graph, f"shape.0x2x-1x{n}", np.array([0, 2, -1, n]))])
             result = tape.op("ReduceSum", [pairs, _shared(graph, "axis.1", np.array([1]))], attributes={"keepdims": 0})
     if offsets is not None:
-        # blocksum(A) as a product with a 0/1 block indicator [K, blocks]: one small MatMul, where Reshape +
-        # ReduceSum cost ~3x more per step (the Reshape copies A, which MatMulNBits also reads)
-        sums = tape.op("MatMul", [x, _block_indicator(graph, k, block_size)])
+        if blocks is not None:  # the split's block view of x is there already: its sums are one small ReduceSum
+            sums = tape.op(
+                "ReduceSum", [blocks, _shared(graph, "axis.last", np.array([-1]))], attributes={"keepdims": 0}
+            )
+        else:
+            # blocksum(A) as a product with a 0/1 block indicator [K, blocks]: one small MatMul, where Reshape +
+            # ReduceSum cost ~3x more per step (the Reshape copies A, which MatMulNBits also reads)
+            sums = tape.op("MatMul", [x, _block_indicator(graph, k, block_size)])
         result = tape.op("Add", [result, tape.op("MatMul", [sums, offsets])])
     return result
 
@@ -415,14 +423,20 @@ def at_fp32_activations(graph: ir.Graph, node: ir.Node, x: ir.Value) -> ir.Value
     return product
 
 
-def _split_rows(graph: ir.Graph, tape: ir.tape.Tape, x: ir.Value, k: int, block_size: int) -> ir.Value:
-    """x [B, T, K] → [B, 2T, K]: T rows ``high`` then T rows ``low = x - high``, where ``high`` is x rounded onto the
-    int8 grid of each of its blocks (absmax/127 per ``block_size`` inputs, as ONNX Runtime's int8 kernel quantizes
-    its input) and ``low`` the rest. The kernel's own rounding then leaves ``high`` as it is and rounds only
-    ``low``, ~1/254 of x, so the product's error is ~1/127 of int8 activations' (SmolLM2: max |Δlogit| 5e-3
-    instead of 1.4, greedy answers as fp32's). One kernel call with twice the rows: decoding reads the weight once.
-    Where a kernel quantizes its input in other blocks (not x86 MLAS), ``high`` is rounded again and the result is
-    no worse than plain int8 activations."""
+def _split_rows(
+    graph: ir.Graph, tape: ir.tape.Tape, x: ir.Value, k: int, block_size: int
+) -> tuple[ir.Value, ir.Value, bool]:
+    """x [B, T, K] → two rows per row: ``high``, x rounded onto the int8 grid of each of its blocks (absmax/127 per
+    ``block_size`` inputs, as ONNX Runtime's int8 kernel quantizes its input), and ``low = x - high``. The kernel's
+    own rounding then leaves ``high`` as it is and rounds only ``low``, ~1/254 of x, so the product's error is
+    ~1/127 of int8 activations' (SmolLM2: max |Δlogit| 5e-3 instead of 1.4, greedy answers as fp32's). One kernel
+    call with twice the rows: decoding reads the weight once. Where a kernel quantizes its input in other blocks
+    (not x86 MLAS), ``high`` is rounded again and the result is no worse than plain int8 activations.
+
+    Returns (rows, blocks, stacked): ``blocks`` is x's block view [B, T, K/block, block] (the offset product's sums
+    read it). With a batch of one (every edgec graph) the halves are stacked as the batch, [2, T, K], and summed by
+    one ReduceSum over axis 0 (``stacked``); otherwise as rows, [B, 2T, K], summed after a Reshape — one node more
+    per product, ~2.5 µs of a decode step each (SmolLM2: 121 products)."""
     blocks = tape.op("Reshape", [x, _shared(graph, f"shape.0x0x-1x{block_size}", np.array([0, 0, -1, block_size]))])
     largest = tape.op(
         "ReduceMax",
@@ -438,8 +452,10 @@ def _split_rows(graph: ir.Graph, tape: ir.tape.Tape, x: ir.Value, k: int, block_
         ],
     )
     high = tape.op("Mul", [tape.op("Round", [tape.op("Div", [blocks, step])]), step])
-    both = tape.op("Concat", [high, tape.op("Sub", [blocks, high])], attributes={"axis": 1})
-    return tape.op("Reshape", [both, _shared(graph, f"shape.0x0x{k}", np.array([0, 0, k]))])
+    stacked = isinstance(x.shape[0], int) and x.shape[0] == 1
+    both = tape.op("Concat", [high, tape.op("Sub", [blocks, high])], attributes={"axis": 0 if stacked else 1})
+    rows = tape.op("Reshape", [both, _shared(graph, f"shape.0x0x{k}", np.array([0, 0, k]))])
+    return rows, blocks, stacked
 
 
 def _block_indicator(graph: ir.Graph, k: int, block_size: int) -> ir.Value:

@@ -69,10 +69,12 @@ def bundle_weight_rows(bundle: Path, folder: Path) -> tuple[list[np.ndarray], li
         total = _dequantized(node, values)
         output = node.output[0]
         after = consumers[output]
-        if len(after) == 1 and after[0].op_type == "Reshape":  # split activations: the two rows' sum
+        if len(after) == 1 and after[0].op_type == "Reshape":  # split activations as rows: the two rows' sum
             (summed,) = consumers[after[0].output[0]]
             assert summed.op_type == "ReduceSum", summed.op_type
             output = summed.output[0]
+        elif len(after) == 1 and after[0].op_type == "ReduceSum":  # split activations stacked as the batch
+            output = after[0].output[0]
         (add,) = consumers[output] if len(consumers[output]) == 1 else (None,)
         if add is not None and add.op_type == "Add":
             other = producer.get(next(name for name in add.input if name != node.output[0]))
