@@ -43,7 +43,7 @@ class BuildSettings:
     block_size: int = 32  # int4/int8: input channels per scale
     symmetric: bool = False  # int4: no zero point (always symmetric where the target reads no zero points)
     accuracy_level: int = 4  # int4 on ONNX Runtime: 4 = int8 activations (fast), 1 = fp32 activations (exact)
-    # int8 activations as two rows each (near fp32's accuracy, ~0.6-0.8x the speed of one); None = on for a GGUF's
+    # int8 activations as two rows each (near fp32's accuracy, ~0.7-0.8x the speed of one); None = on for a GGUF's
     # carried blocks (their answers are the fp32 bundle's), off otherwise (rounded weights' error dominates there)
     split_activations: bool | None = None
     embedding_bits: int = 8  # int4: the (tied, stored once) embedding table: 8 = exact for a GGUF's Q8_0, 4 = smaller
