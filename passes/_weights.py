@@ -436,7 +436,7 @@ def _split_rows(
     Returns (rows, blocks, stacked): ``blocks`` is x's block view [B, T, K/block, block] (the offset product's sums
     read it). With a batch of one (every edgec graph) the halves are stacked as the batch, [2, T, K], and summed by
     one ReduceSum over axis 0 (``stacked``); otherwise as rows, [B, 2T, K], summed after a Reshape — one node more
-    per product, ~2.5 µs of a decode step each (SmolLM2: 121 products)."""
+    per product (SmolLM2's 121: the stacked form's decode step is 0.97× the rows form's)."""
     blocks = tape.op("Reshape", [x, _shared(graph, f"shape.0x0x-1x{block_size}", np.array([0, 0, -1, block_size]))])
     largest = tape.op(
         "ReduceMax",

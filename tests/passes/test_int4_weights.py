@@ -264,8 +264,6 @@ def test_split_activations_stack_their_halves_as_the_batch_of_one(batch):
     ReduceSum over axis 0, and the offset product's block sums read the split's block view — no Reshape of the
     product, no indicator MatMul. Any other batch keeps the halves as rows. Either way the product is the
     weight's within the split's error: far below one row of int8 activations' (7e-3 here)."""
-    from edgec.passes import _weights
-
     rng = np.random.default_rng(17)
     weight = q4_1_like(rng, 128, 40)
     model = matmul_model(weight, batch)
@@ -280,8 +278,8 @@ def test_split_activations_stack_their_halves_as_the_batch_of_one(batch):
         assert len(matmuls) == 1 and matmuls[0].inputs[1].name.endswith(".offsets")  # sums @ offsets only
     else:
         assert concat.attributes["axis"].value == 1 and after == ["Reshape"]
-    rows = 2 if batch != 1 else 1
-    x = rng.standard_normal((rows, 3, 128)).astype(np.float32) * rng.uniform(0.1, 10, 128).astype(np.float32)
+    batch_size = 1 if batch == 1 else 2
+    x = rng.standard_normal((batch_size, 3, 128)).astype(np.float32) * rng.uniform(0.1, 10, 128).astype(np.float32)
     reference = x.astype(np.float64) @ weight.astype(np.float64)
     error = np.abs(run_matmul(model, x) - reference).max() / np.abs(reference).max()
     assert error < 2e-4, error
