@@ -600,8 +600,9 @@ def open_backend(
     ``prompt_threads`` / ``prompt_spin``: the prompt-chunk graph's own setting (``prefill_file``), where it has
     one; by default the decode graph's. ``scans``: the graph files as ``open_bundle`` read them (else read here)."""
     vocab = int(model["vocab_size"])
+    on_cpu = providers[0] == "CPUExecutionProvider"
     shared = {}
-    if "prefill_file" in model and "decode_file" not in model and providers[0] == "CPUExecutionProvider":
+    if "prefill_file" in model and "decode_file" not in model and on_cpu:
         arrays = shared_weights.shared_weights(folder, [model["file"], model["prefill_file"]], scans)
         shared = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
     first = OrtGraph(folder / model["file"], spec, providers, threads, provider_options, exact, spin, shared)
@@ -620,7 +621,7 @@ def open_backend(
                 shared,
                 prepack=not shared,  # the mapped weights stay unpacked there (shared_weights: why)
                 priority_order=prompt_order_by_priority(spec),
-                memory_pattern=PROMPT_MEMORY_PATTERN or providers[0] != "CPUExecutionProvider",
+                memory_pattern=PROMPT_MEMORY_PATTERN or not on_cpu,
             )
         backend = OrtBackend(first, vocab, prefill_chunk, prefill)
         backend.no_logits_rows = model.get("no_logits_rows") is True
