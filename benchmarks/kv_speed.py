@@ -1,7 +1,7 @@
 """Decode speed, time to first token and memory with an 8K-token prompt: int4 weights with the compressed cache
 (1024 int8 slots, and 1024 fp32 slots, which one-token steps read through ONNX Runtime's GroupQueryAttention) vs
-int4 and fp32 with the full cache vs onnxruntime-genai fp32 and int4, SmolLM2-135M, in ONE
-process with the runtimes (and thread counts) alternating.
+int4 and fp32 with the full cache vs onnxruntime-genai fp32 and int4, SmolLM2-135M, in one run with the
+runtimes (and thread counts) alternating, each runtime in a process of its own.
 
     python benchmarks/kv_speed.py          # 3 rounds, prompt 8000 tokens, 64 new tokens, 1 and 2 threads
 
@@ -9,8 +9,12 @@ Each round, for each thread count and runtime: prefill the 8000-token prompt, th
 Ratios are medians of per-round ratios (each pair ran in the same round): decode against onnxruntime-genai int4
 and fp32, prefill of the compressed bundle against edgec int4's plain prefill and genai fp32's. Every runtime
 runs with its defaults (edgec: spinning at each thread count as the bundle's calibration on this machine measured
-it — what `edgec run` does on its first start — no EDGEC_ORT_SPIN). Peak RSS per runtime in its
-own fresh process. The compressed bundle uses the default ``--prefill-compress end`` (the prompt is read whole,
+it — what `edgec run` does on its first start — no EDGEC_ORT_SPIN). Each runtime runs in a worker process of
+its own, loaded once for the whole run, as a user runs one model in a process: two bundles loaded in one process
+time differently by the order they were loaded in (one bundle's decode step 0.91× the other's loaded one way,
+0.98–1.03× the other; docs/BENCHMARKS.md, twenty-seventh round). ``--one-process`` loads them all in this process
+instead, as runs before the twenty-eighth round did. Peak RSS per runtime in its own fresh process. The compressed
+bundle uses the default ``--prefill-compress end`` (the prompt is read whole,
 then 1024 slots per head are kept) and snapkv. onnxruntime-genai pre-allocates its cache for max_length
 (prompt + 72 here) and attends over all of it.
 Results: benchmarks/out/kv_speed.json / kv_speed.png (kv_speed-subset.* with --runtimes); the printed table goes
@@ -133,6 +137,59 @@ def runner(name: str, threads: int):
     return EdgecRunner(name, threads) if name in BUNDLES else GenaiRunner(name, threads)
 
 
+class WorkerRunner:
+    """A runner in a process of its own (``command``: one that ends in ``serve``), driven one line at a time: the
+    process answers "ready" once loaded, then each (ids, new_tokens) line with that run's (prefill s, decode tok/s)."""
+
+    def __init__(self, name: str, command: list[str]) -> None:
+        self.name = name
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self._answer() != "ready":  # loading (and a first calibration) alone: workers start one at a time
+            raise RuntimeError(f"{name}: the worker did not start")
+
+    def run(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps([list(ids), new_tokens]) + "\n")
+        self.process.stdin.flush()
+        prefill, decode = self._answer()
+        return float(prefill), float(decode)
+
+    def close(self) -> None:
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.close()
+        self.process.wait()
+
+    def _answer(self):
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name}: the worker exited with status {self.process.wait()}")
+        return json.loads(line)
+
+
+def worker(name: str, threads: int) -> WorkerRunner:
+    return WorkerRunner(name, [sys.executable, __file__, "--serve", name, "--threads", str(threads)])
+
+
+def serve(measured, lines, answers) -> None:
+    """The worker's side of ``WorkerRunner``: "ready", then one answer per request line until ``lines`` ends."""
+    print(json.dumps("ready"), file=answers, flush=True)
+    for line in lines:
+        ids, new_tokens = json.loads(line)
+        print(json.dumps(list(measured.run(ids, new_tokens))), file=answers, flush=True)
+
+
+def answers_channel():
+    """This process's stdout kept for the answers alone: whatever else writes to file descriptor 1 (a library's
+    message) goes to stderr instead of into the protocol."""
+    import os
+
+    sys.stdout.flush()
+    channel = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return channel
+
+
 def prompt_ids(length: int, bundle: Path | None = None) -> list[int]:
     """The benchmark prompt: Pride and Prejudice from character 5000, ``length`` tokens by ``bundle``'s tokenizer
     (default: the fp32 bundle's; every SmolLM2 bundle has the same)."""
@@ -163,9 +220,17 @@ def main() -> None:
     parser.add_argument(
         "--runtimes", help="the runtimes to run, separated by ; (default: all; ratios to an absent one: -)"
     )
+    parser.add_argument(
+        "--one-process", action="store_true", help="every runtime in this process (as before the 28th round)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args()
     thread_counts = [int(t) for t in str(args.threads).split(",")]
+    if args.serve:  # a timing worker: one runtime, loaded once, runs what the parent sends
+        channel = answers_channel()
+        serve(runner(args.serve, thread_counts[0]), sys.stdin, channel)
+        return
     if args.worker:  # memory phase: one runtime, fresh process, print peak RSS in GB
         measured = runner(args.worker, thread_counts[0])
         measured.run(prompt_ids(args.prompt), args.new_tokens)
@@ -179,7 +244,8 @@ def main() -> None:
         names = [name for name in names if name in args.runtimes.split(";")]
     prepare(names)
     ids = prompt_ids(args.prompt)
-    runners = {(threads, name): runner(name, threads) for threads in thread_counts for name in names}
+    start = runner if args.one_process else worker
+    runners = {(threads, name): start(name, threads) for threads in thread_counts for name in names}
     for measured in runners.values():  # warm-up
         measured.run(ids[:256], 4)
     samples: dict[tuple[int, str], list[tuple[float, float]]] = {key: [] for key in runners}
@@ -187,6 +253,9 @@ def main() -> None:
         for (threads, name), measured in runners.items():
             samples[threads, name].append(measured.run(ids, args.new_tokens))
             print(f"round {round_index}, {threads} thread(s): {name} {samples[threads, name][-1]}", flush=True)
+    for measured in runners.values():
+        if isinstance(measured, WorkerRunner):
+            measured.close()
     del runners
     rss = {}
     for name in [] if args.rss == "none" else args.rss.split(";") if args.rss else names:
@@ -204,6 +273,7 @@ def main() -> None:
 
     results = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "processes": "one" if args.one_process else "one per runtime",
         "date": date.today().isoformat(),
         "machine": measure.machine(),
         "threads": thread_counts,
