@@ -10,11 +10,11 @@ Ratios are medians of per-round ratios (each pair ran in the same round): decode
 and fp32, prefill of the compressed bundle against edgec int4's plain prefill and genai fp32's. Every runtime
 runs with its defaults (edgec: spinning at each thread count as the bundle's calibration on this machine measured
 it — what `edgec run` does on its first start — no EDGEC_ORT_SPIN). Each runtime runs in a worker process of
-its own, loaded once for the whole run, as a user runs one model in a process: two bundles loaded in one process
-time differently by the order they were loaded in (one bundle's decode step 0.91× the other's loaded one way,
-0.98–1.03× the other; docs/BENCHMARKS.md, twenty-seventh round). ``--one-process`` loads them all in this process
-instead, as runs before the twenty-eighth round did. Peak RSS per runtime in its own fresh process. The compressed
-bundle uses the default ``--prefill-compress end`` (the prompt is read whole,
+its own, loaded once for the whole run, as a user runs one model in a process — two bundles loaded in one process
+can time by the order they were loaded in (a decode step 0.91× one way, 0.98–1.03× the other; docs/BENCHMARKS.md,
+twenty-seventh round), though the paired ratios of the twenty-eighth round came out the same either way.
+``--one-process`` loads them all in this process instead, as runs before that round did. Peak RSS per runtime in
+its own fresh process. The compressed bundle uses the default ``--prefill-compress end`` (the prompt is read whole,
 then 1024 slots per head are kept) and snapkv. onnxruntime-genai pre-allocates its cache for max_length
 (prompt + 72 here) and attends over all of it.
 Results: benchmarks/out/kv_speed.json / kv_speed.png (kv_speed-subset.* with --runtimes); the printed table goes
@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -159,7 +161,7 @@ class WorkerRunner:
             self.process.stdin.close()
         self.process.wait()
 
-    def _answer(self):
+    def _answer(self) -> Any:
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
         if not line:
@@ -167,7 +169,7 @@ class WorkerRunner:
         return json.loads(line)
 
 
-def worker(name: str, threads: int) -> WorkerRunner:
+def own_process_runner(name: str, threads: int) -> WorkerRunner:
     return WorkerRunner(name, [sys.executable, __file__, "--serve", name, "--threads", str(threads)])
 
 
@@ -182,8 +184,6 @@ def serve(measured, lines, answers) -> None:
 def answers_channel():
     """This process's stdout kept for the answers alone: whatever else writes to file descriptor 1 (a library's
     message) goes to stderr instead of into the protocol."""
-    import os
-
     sys.stdout.flush()
     channel = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -244,7 +244,7 @@ def main() -> None:
         names = [name for name in names if name in args.runtimes.split(";")]
     prepare(names)
     ids = prompt_ids(args.prompt)
-    start = runner if args.one_process else worker
+    start = runner if args.one_process else own_process_runner
     runners = {(threads, name): start(name, threads) for threads in thread_counts for name in names}
     for measured in runners.values():  # warm-up
         measured.run(ids[:256], 4)
