@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import benchmark_script
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from tests.conftest import BENCHMARKS, benchmark_script
 
 
 class _Counting:
