@@ -1,0 +1,29 @@
+"""benchmarks/product_forms.py's prompt-chunk table: every product of a SmolLM2 layer at the cpu target's chunk
+rows, each form timed and the exact ones checked against a float64 product of the same weights."""
+
+from __future__ import annotations
+
+import math
+
+import tomllib
+
+from tests.conftest import BENCHMARKS, benchmark_script
+
+
+def test_chunk_rows_are_the_cpu_targets():
+    script = benchmark_script("product_forms")
+    target = tomllib.loads((BENCHMARKS.parent / "targets" / "cpu.toml").read_text())
+    assert script.chunk_rows() == target["defaults"]["prefill_chunk"]
+
+
+def test_every_layer_product_timed_and_the_exact_forms_exact():
+    script = benchmark_script("product_forms")
+    table = script.chunk_products(threads=1, repeats=1, rows=8)
+    assert list(table) == ["qkv", "o", "gate-up", "down"]
+    for forms in table.values():
+        assert list(forms) == list(script.CHUNK_FORMS)
+        assert all(ms > 0 for ms, _ in forms.values())
+        # every form but level 1 alone carries the Q4_1 weight whole (level 1 alone leaves the minima out: cost only)
+        for form in ("fp32 MatMul", "+ Q4_1 minima as offsets", "Q4_1 minima as float zero points"):
+            assert forms[form][1] < 1e-3, form
+        assert math.isnan(forms["MatMulNBits level 1"][1])
