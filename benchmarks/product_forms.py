@@ -74,6 +74,22 @@ def _nbits(name: str, x: str, k: int, n: int, level: int, inputs: list[str], bit
     return helper.make_node("MatMulNBits", [x, *inputs], [name], domain="com.microsoft", **attributes)
 
 
+def _q4_1_weight(rng: np.random.Generator, k: int, n: int) -> dict[str, np.ndarray]:
+    """A random Q4_1-like weight [K, N]: 4-bit codes, per-block steps and minima, and its float64 value."""
+    blocks = k // BLOCK
+    codes = rng.integers(0, 16, (n, blocks, BLOCK)).astype(np.uint8)
+    steps = (rng.random((n, blocks)) * 0.01 + 0.001).astype(np.float32)
+    minima = (-rng.random((n, blocks)) * 0.08).astype(np.float32)
+    weight = (steps[..., None] * codes + minima[..., None]).reshape(n, k).T.astype(np.float64)
+    return {
+        "packed": (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8),
+        "steps": steps.reshape(-1),
+        "offsets": np.ascontiguousarray(minima.T),  # [K / 32, N]
+        "float_zero": (-minima / steps).astype(np.float32).reshape(-1),  # (q - zero) * step = q * step + minimum
+        "weight": weight,
+    }
+
+
 CHUNK_FORMS = ("fp32 MatMul", "MatMulNBits level 1", "+ Q4_1 minima as offsets", "Q4_1 minima as float zero points")
 
 
@@ -83,19 +99,13 @@ def prompt_rows(rows: int, threads: int, repeats: int, copies: int = 20) -> dict
 
     rng = np.random.default_rng(0)
     k, n, blocks = PROMPT_K, PROMPT_N, PROMPT_K // BLOCK
-    codes = rng.integers(0, 16, (n, blocks, BLOCK)).astype(np.uint8)
-    steps = (rng.random((n, blocks)) * 0.01 + 0.001).astype(np.float32)
-    minima = (-rng.random((n, blocks)) * 0.08).astype(np.float32)
-    weight = (steps[..., None] * codes + minima[..., None]).reshape(n, k).T.astype(np.float64)  # [K, N]
+    stored = _q4_1_weight(rng, k, n)
+    weight = stored.pop("weight")  # [K, N] float64
     indicator = np.zeros((k, blocks), np.float32)
     indicator[np.arange(k), np.arange(k) // BLOCK] = 1
-    tensors = {
-        "packed": (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8),
-        "steps": steps.reshape(-1),
+    tensors = stored | {
         "no_zero": np.zeros((n, (blocks + 1) // 2), np.uint8),
-        "float_zero": (-minima / steps).astype(np.float32).reshape(-1),
         "indicator": indicator,
-        "offsets": np.ascontiguousarray(minima.T),
         "weight": weight.astype(np.float32),
     }
     x = rng.standard_normal((1, rows, k)).astype(np.float32)
@@ -169,22 +179,6 @@ def chunk_rows() -> int:
 
     target = Path(__file__).resolve().parent.parent / "targets" / "cpu.toml"
     return int(tomllib.loads(target.read_text())["defaults"]["prefill_chunk"])
-
-
-def _q4_1_weight(rng: np.random.Generator, k: int, n: int) -> dict[str, np.ndarray]:
-    """A random Q4_1-like weight [K, N]: 4-bit codes, per-block steps and minima, and its float64 value."""
-    blocks = k // BLOCK
-    codes = rng.integers(0, 16, (n, blocks, BLOCK)).astype(np.uint8)
-    steps = (rng.random((n, blocks)) * 0.01 + 0.001).astype(np.float32)
-    minima = (-rng.random((n, blocks)) * 0.08).astype(np.float32)
-    weight = (steps[..., None] * codes + minima[..., None]).reshape(n, k).T.astype(np.float64)
-    return {
-        "packed": (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8),
-        "steps": steps.reshape(-1),
-        "offsets": np.ascontiguousarray(minima.T),  # [K / 32, N]
-        "float_zero": (-minima / steps).astype(np.float32).reshape(-1),  # (q - zero) * step = q * step + minimum
-        "weight": weight,
-    }
 
 
 def chunk_products(
