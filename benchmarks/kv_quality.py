@@ -5,9 +5,11 @@ edgec runtime (SmolLM2-135M, fp32 weights), for every storage dtype at full capa
     python benchmarks/kv_quality.py                 # builds what it needs under benchmarks/out/kv/, then scores
     python benchmarks/kv_quality.py --tokens 4096   # a shorter window (quicker)
 
-How it is scored: ``Model.logprobs`` feeds the text in 512-token chunks exactly as a deployed prompt would be
-fed; the bundles are built with ``--prefill-compress chunk`` so that the cache is compressed *between* chunks
-and every later token is predicted from the compressed cache (with ``end`` a prompt is read whole before it is
+How it is scored: ``Model.logprobs`` feeds the text in the bundle's prompt chunks (the cpu target's
+``prefill_chunk``: 256 tokens since the 26th round of issue 21, 512 before, which moved the 25 % int8 snapkv row
+from 21.475 to 21.464; docs/BENCHMARKS.md, thirty-second round) exactly as a deployed prompt would be fed; the
+bundles are built with ``--prefill-compress chunk`` so that the cache is compressed *between* chunks and every
+later token is predicted from the compressed cache (with ``end`` a prompt is read whole before it is
 compressed, so perplexity over the prompt itself would not see the compression at all). One bundle per
 (policy, dtype); capacities are chosen at load (``Model.load(kv_capacity=...)``: the graph's slot count is
 symbolic). KV bytes per token = k + v storage incl. scales × capacity / window (the cache's cost per token of
