@@ -17,8 +17,9 @@ Three tables (docs/BENCHMARKS.md, issue 21's sixth and thirtieth rounds):
   minima (``blocksum(x) @ offsets`` and an Add, as the exact import computes them) — what an edgec prompt chunk pays
   for its exact 4-bit products where onnxruntime-genai fp32 runs fp32 MatMuls. Printed first (``--only-chunk``: alone).
 - **Decode rows** (every product of one SmolLM2 step, 30 layers' qkv / o / gate-up / down with distinct weights
-  and the 8-bit tied lm_head, at accuracy level 4): one row of activations against two (the split activations of
-  the exact int4 import, which ONNX Runtime runs on its general path instead of its one-row kernel).
+  and the 8-bit tied lm_head, at accuracy level 4, 4-bit codes without zero points as the exact import carries
+  them): one row of activations against two (the split activations of the exact int4 import, stacked as the batch,
+  which ONNX Runtime runs on its general path instead of its one-row kernel).
 
 Milliseconds per product (prompt) or per step's products (decode): the best of ``--repeats`` timed runs; the chunk
 table's forms alternate over ``--chunk-rounds`` rounds and give the median.
@@ -141,8 +142,12 @@ def prompt_rows(rows: int, threads: int, repeats: int, copies: int = 20) -> dict
     return results
 
 
-def decode_rows(rows: int, threads: int, repeats: int) -> float:
-    """ms for every product of one SmolLM2 decode step at ``rows`` rows of activations (accuracy level 4)."""
+def decode_graph(rows: int) -> tuple[list, list, list, list]:
+    """(nodes, inputs, outputs, initializers): every product of one SmolLM2 decode step at ``rows`` rows of
+    activations, accuracy level 4, in the exact import's form — 4-bit codes without zero points (a Q4_0 / Q4_1
+    block's codes at the default zero point; Q4_1's minima are a product of their own, ``blocksum(x) @ offsets``,
+    left out here) and the Q8_0 lm_head's 8-bit codes. Zero points would time another kernel: with them ONNX Runtime
+    runs one row on its general path (the 31st round's 4.89 ms) instead of its faster one-row kernel (4.41 ms)."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -155,21 +160,29 @@ def decode_rows(rows: int, threads: int, repeats: int) -> float:
             numpy_helper.from_array(rng.integers(0, 256, (n, blocks, BLOCK * bits // 8), dtype=np.uint8), names[0]),
             numpy_helper.from_array((rng.random(n * blocks) * 0.01).astype(np.float32), names[1]),
         ]
-        if bits == 4:
-            names.append(f"zero{index}")
-            zero = rng.integers(0, 256, (n, (blocks + 1) // 2), dtype=np.uint8)
-            initializers.append(numpy_helper.from_array(zero, names[2]))
         outputs.append(f"y{index}")
         nodes.append(_nbits(outputs[-1], f"x{k}", k, n, 4, names, bits))
     widths = sorted({k for k, _ in DECODE_SHAPES})
-    session = _session(
+    inputs = [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [rows, 1, k]) for k in widths]
+    return (
         nodes,
-        [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, rows, k]) for k in widths],
+        inputs,
         [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs],
         initializers,
-        threads,
     )
-    feeds = {f"x{k}": rng.standard_normal((1, rows, k)).astype(np.float32) for k in widths}
+
+
+def decode_rows(rows: int, threads: int, repeats: int) -> float:
+    """ms for every product of one SmolLM2 decode step at ``rows`` rows of activations (``decode_graph``); two rows
+    are the exact import's split, stacked as the batch as the bundle stacks them."""
+    nodes, inputs, outputs, initializers = decode_graph(rows)
+    session = _session(nodes, inputs, outputs, initializers, threads)
+    rng = np.random.default_rng(1)
+    feeds = {
+        value.name: rng.standard_normal((rows, 1, dim.dim_value)).astype(np.float32)
+        for value in inputs
+        for dim in value.type.tensor_type.shape.dim[-1:]
+    }
     return _best_ms(session, feeds, repeats, 1)
 
 

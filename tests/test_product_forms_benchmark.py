@@ -26,3 +26,16 @@ def test_every_layer_product_timed_and_the_exact_forms_exact():
         for form in ("fp32 MatMul", "+ Q4_1 minima as offsets", "Q4_1 minima as float zero points"):
             assert forms[form][1] < 1e-3, form
         assert math.isnan(forms["MatMulNBits level 1"][1])
+
+
+def test_decode_products_are_the_exact_imports_form():
+    """The bundle's 4-bit products carry no zero points (with them ONNX Runtime times another kernel for one row),
+    and the split's two rows are stacked as the batch."""
+    script = benchmark_script("product_forms")
+    nodes, inputs, _, _ = script.decode_graph(2)
+    assert len(nodes) == len(script.DECODE_SHAPES) + 1
+    assert all(len(node.input) == 3 for node in nodes)  # codes and steps
+    bits = [attribute.i for node in nodes for attribute in node.attribute if attribute.name == "bits"]
+    assert bits.count(8) == 1 and bits.count(4) == len(nodes) - 1  # the 8-bit lm_head
+    assert all([dim.dim_value for dim in value.type.tensor_type.shape.dim][:2] == [2, 1] for value in inputs)
+    assert script.decode_rows(1, threads=1, repeats=1) > 0
