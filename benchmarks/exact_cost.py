@@ -89,7 +89,9 @@ def drop_exact_parts(model, drops: set[str]) -> dict[str, int]:
             dropped["split"] += 1
         if "minima" in drops:
             plus = next((c for c in consumers.get(halves_sum.output[0], []) if c.op_type == "Add"), None)
-            if plus is not None:
+            offsets = plus and next(name for name in plus.input if name != halves_sum.output[0])
+            # the offsets product (blocksum(x) @ offsets), not an Add that follows a product without minima
+            if plus is not None and producer.get(offsets) is not None and producer[offsets].op_type == "MatMul":
                 halves_sum.output[0] = plus.output[0]
                 removed.append(plus)
                 dropped["minima"] += 1
