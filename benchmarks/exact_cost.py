@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -54,21 +52,9 @@ def _consumers(graph) -> dict[str, list]:
     return consumers
 
 
-def _used_names(graph) -> set[str]:
-    """Every value a node of ``graph`` or of its subgraphs reads, and the graph's outputs."""
-    names = {output.name for output in graph.output}
-    for node in graph.node:
-        names.update(node.input)
-        for attribute in node.attribute:
-            subgraphs = [attribute.g, *attribute.graphs] if attribute.HasField("g") else list(attribute.graphs)
-            for subgraph in subgraphs:
-                names |= _used_names(subgraph)
-    return names
-
-
 def drop_exact_parts(model, drops: set[str]) -> dict[str, int]:
     """Rewrite ``model`` (an onnx ModelProto, in place) without the exact import's ``drops`` ("split", "minima");
-    returns how many products lost each part. Dead nodes are removed."""
+    returns how many products lost each part. The nodes left dead are for the caller to remove."""
     graph = model.graph
     producer = {output: node for node in graph.node for output in node.output}
     consumers = _consumers(graph)
@@ -97,42 +83,23 @@ def drop_exact_parts(model, drops: set[str]) -> dict[str, int]:
                 dropped["minima"] += 1
     for node in removed:
         graph.node.remove(node)
-    while True:
-        used = _used_names(graph)
-        dead = [node for node in graph.node if not any(output in used for output in node.output)]
-        if not dead:
-            break
-        for node in dead:
-            graph.node.remove(node)
     return dropped
 
 
 def timing_only(bundle: Path, destination: Path, drops: set[str]) -> dict[str, int]:
-    """A copy of ``bundle`` whose decode graph lacks ``drops``: the other files hard-linked (or copied), the
-    manifest rewritten with the new graph's hash."""
+    """A copy of ``bundle`` whose decode graph lacks ``drops`` (``models.bundle_variant``: the other files
+    hard-linked, the manifest re-hashed); the nodes left dead are removed by onnx-ir's pass."""
     import onnx
-
-    from edgec.bundle import write_manifest
+    import onnx_ir
+    import onnx_ir.passes.common
 
     manifest = json.loads((bundle / "manifest.json").read_text())
     model_file = manifest["model"].get("decode_file", manifest["model"]["file"])
     model = onnx.load(bundle / model_file, load_external_data=False)
     dropped = drop_exact_parts(model, drops)
-    staging = destination.with_name(destination.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for name in manifest["files"]:
-        if name != model_file:
-            try:
-                os.link(bundle / name, staging / name)
-            except OSError:
-                shutil.copy2(bundle / name, staging / name)
-    onnx.save(model, staging / model_file)
-    for key in ("files", "format_version"):
-        manifest.pop(key)
-    write_manifest(staging, manifest)
-    shutil.rmtree(destination, ignore_errors=True)
-    staging.rename(destination)
+    pruned = onnx_ir.from_proto(model)
+    onnx_ir.passes.common.RemoveUnusedNodesPass()(pruned)
+    models.bundle_variant(bundle, destination, {model_file: onnx_ir.to_proto(pruned)}, manifest)
     return dropped
 
 

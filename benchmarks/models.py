@@ -7,12 +7,40 @@ folder (onnxruntime-genai's builder) get one converted here from that GGUF, once
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 OUT = Path(__file__).resolve().parent / "out"
 # the public-domain novels the benchmarks read, copied from ../shared/data/austen so that a plain clone runs them
 AUSTEN = Path(__file__).resolve().parent / "data" / "austen"
+
+
+def bundle_variant(source: Path, destination: Path, graphs: dict[str, Any], manifest: dict) -> Path:
+    """``source`` copied to ``destination`` with ``graphs`` (file name → onnx ModelProto) written in place of its
+    own and ``manifest`` (the source's, edited) re-hashed; every other file hard-linked (copied where a link
+    fails). Staged beside ``destination`` and renamed, so a copy is never half-written."""
+    import onnx
+
+    from edgec.bundle import write_manifest
+
+    staging = destination.with_name(destination.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in manifest["files"]:
+        if name not in graphs:
+            try:
+                os.link(source / name, staging / name)
+            except OSError:
+                shutil.copy2(source / name, staging / name)
+    for name, graph in graphs.items():
+        onnx.save(graph, staging / name)
+    write_manifest(staging, {key: value for key, value in manifest.items() if key not in ("files", "format_version")})
+    shutil.rmtree(destination, ignore_errors=True)
+    staging.rename(destination)
+    return destination
 
 
 def smollm2_gguf() -> Path:

@@ -178,11 +178,8 @@ def decode_rows(rows: int, threads: int, repeats: int) -> float:
     nodes, inputs, outputs, initializers = decode_graph(rows)
     session = _session(nodes, inputs, outputs, initializers, threads)
     rng = np.random.default_rng(1)
-    feeds = {
-        value.name: rng.standard_normal((rows, 1, dim.dim_value)).astype(np.float32)
-        for value in inputs
-        for dim in value.type.tensor_type.shape.dim[-1:]
-    }
+    widths = {value.name: value.type.tensor_type.shape.dim[-1].dim_value for value in inputs}
+    feeds = {name: rng.standard_normal((rows, 1, width)).astype(np.float32) for name, width in widths.items()}
     return _best_ms(session, feeds, repeats, 1)
 
 
