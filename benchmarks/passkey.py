@@ -7,6 +7,9 @@ the longest prefill.
     python benchmarks/passkey.py --context 32768 --kv-capacity 4096  # unknown options go to `edgec build`
     # the hierarchical cache: the same bundle with recall off (plain eviction, all C slots) and on, in one run
     python benchmarks/passkey.py --lengths 8000 --context 8192 --kv-capacity 256 --kv-recall 4 --compare-recall
+    # issue 21's Gemma row in one run: compressed builds against the uncompressed one and PyTorch, same prompts
+    python benchmarks/passkey.py --lengths 32000 --trials 3 --torch-max-tokens 32000 \
+        --compare-builds "--kv-capacity 2048 --kv-dtype int8" "--kv-capacity 2048 --kv-dtype fp32"
 
 A 5-digit key is hidden at a relative depth of Jane Austen filler (benchmarks/data/austen); the prompt ends with
 "What is the pass key? The pass key is" and a trial succeeds when the greedy continuation (8 tokens) contains the
@@ -16,6 +19,11 @@ runs in its own process so its peak RSS (VmHWM) is its own. Results: benchmarks/
 (``kv_recall=0``: plain eviction over the same C slots) and on, and also times ``--speed-steps`` decode steps
 after the first trial's answer in each (tokens/s, and the share of it the runtime spends in host-tier copies and
 recalls).
+``--compare-builds OPTIONS ...`` runs each set of extra `edgec build` options as a bundle of its own beside the
+uncompressed one (the options outside it) and prints time to first token and peak RSS against the uncompressed
+bundle and against PyTorch: per engine the median prefill over its trials, and the ratios as geometric means of
+per-trial ratios over the prompts both engines read (each ratio within one run, on one machine). Results:
+benchmarks/out/passkey-compare-<context>.json and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import platform
+import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -213,7 +224,84 @@ def run_worker(
     return records, peak, timing
 
 
-def main() -> None:
+UNCOMPRESSED = "edgec, uncompressed"
+SHOWN = {"torch": "PyTorch fp32 (transformers)"}  # a worker's engine name as the table and plot show it
+
+
+def compare_rows(results: dict[str, tuple[list[dict], float, dict | None]]) -> list[dict]:
+    """One row per engine of ``results`` (label → records, peak RSS GB, decode timing): passkeys, the median
+    prefill, and prefill and peak RSS as ratios to the uncompressed bundle's and to PyTorch's (``None`` where that
+    engine did not run). A prefill ratio is the geometric mean of per-trial ratios over the trials (same length,
+    depth and key) both engines ran."""
+
+    def key(record: dict) -> tuple:
+        return record["length"], record["depth"], record["key"]
+
+    def prefill_ratio(records: list[dict], reference: list[dict]) -> float | None:
+        theirs = {key(r): r["prefill_s"] for r in reference}
+        ratios = [r["prefill_s"] / theirs[key(r)] for r in records if theirs.get(key(r))]
+        return round(math.exp(statistics.fmean(math.log(x) for x in ratios)), 3) if ratios else None
+
+    references = {"uncompressed": results.get(UNCOMPRESSED), "torch": results.get("torch")}
+    rows = []
+    for label, (records, peak, _) in results.items():
+        row = {
+            "engine": SHOWN.get(label, label),
+            "passkeys": f"{sum(r['success'] for r in records)}/{len(records)}",
+            "prefill_s": round(statistics.median(r["prefill_s"] for r in records), 2) if records else None,
+            "peak_rss_gb": peak,
+        }
+        for name, reference in references.items():
+            row[f"prefill_vs_{name}"] = prefill_ratio(records, reference[0]) if reference else None
+            measured = reference and not math.isnan(peak) and not math.isnan(reference[1])  # NaN: none reported
+            row[f"rss_vs_{name}"] = round(peak / reference[1], 3) if measured else None
+        rows.append(row)
+    return rows
+
+
+def compare_table(rows: list[dict]) -> str:
+    """The rows as a markdown table (— where a ratio has no reference)."""
+    shown = lambda value, unit="": "—" if value is None else f"{value}{unit}"  # noqa: E731
+    lines = [
+        "| engine | passkeys | time to first token (median) | vs uncompressed | vs PyTorch | peak RSS | vs uncompressed"
+        " | vs PyTorch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['engine']} | {row['passkeys']} | {shown(row['prefill_s'], ' s')} | "
+            f"{shown(row['prefill_vs_uncompressed'], '×')} | {shown(row['prefill_vs_torch'], '×')} | "
+            f"{shown(row['peak_rss_gb'], ' GB')} | {shown(row['rss_vs_uncompressed'], '×')} | "
+            f"{shown(row['rss_vs_torch'], '×')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_compare(rows: list[dict], title: str, path: Path) -> None:
+    """Two panels: time to first token and peak RSS per engine, each bar labelled with its passkeys."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [row["engine"] for row in rows]
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for axis, field, label in ((axes[0], "prefill_s", "time to first token, s (median)"),
+                               (axes[1], "peak_rss_gb", "peak RSS, GB")):  # fmt: skip
+        values = [row[field] if row[field] is not None else 0.0 for row in rows]
+        bars = axis.barh(names, values, color=[f"C{i}" for i in range(len(rows))])
+        for bar, row in zip(bars, rows, strict=True):
+            axis.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {row['passkeys']}", va="center")
+        axis.set_xlabel(label)
+        axis.margins(x=0.12)  # room for the passkeys after the longest bar
+        axis.invert_yaxis()
+    axes[1].set_yticks([])
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[32000, 16000, 8000, 2000])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
@@ -229,16 +317,26 @@ def main() -> None:
         "--load-capacity", type=int, help="with --compare-recall: the compressed slots at load (Model.load kv_capacity)"
     )
     parser.add_argument("--load-recall", type=int, help="with --compare-recall: recalled blocks at load (kv_recall)")
+    parser.add_argument(
+        "--compare-builds",
+        nargs="+",
+        metavar="OPTIONS",
+        help="each a quoted set of extra `edgec build` options: run those bundles beside the uncompressed one",
+    )
     parser.add_argument("--worker", choices=["edgec", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--bundle", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--trial-json", help=argparse.SUPPRESS)
     parser.add_argument("--load-json", default="{}", help=argparse.SUPPRESS)
-    args, build_options = parser.parse_known_args()
+    args, build_options = parser.parse_known_args(argv)
     if args.worker:
         load = json.loads(args.load_json)
         return worker(args.worker, args.bundle, json.loads(args.trial_json), load, args.speed_steps)
     if args.compare_recall and "--kv-recall" not in build_options:
         sys.exit("--compare-recall needs a bundle built with recall: add --kv-recall BLOCKS")
+    if args.compare_builds and args.compare_recall:
+        sys.exit("--compare-builds and --compare-recall are separate runs")
+    if args.compare_builds:
+        return compare_builds(args, build_options)
 
     bundle = build_bundle(args.context, build_options)
     trials = make_trials(args.lengths, args.depths, args.trials, args.seed)
@@ -288,6 +386,38 @@ def main() -> None:
             f"{decode.get('recall_ms_per_step', '—')} | {summary['peak_rss_gb']} |"
         )
     print(f"wrote {out}")
+
+
+def compare_builds(args: argparse.Namespace, build_options: list[str]) -> None:
+    """The uncompressed bundle, each ``--compare-builds`` bundle and PyTorch on the same trials, each engine in a
+    process of its own; the table, a JSON and a PNG."""
+    extra = [shlex.split(options) for options in args.compare_builds]
+    if any(not options for options in extra):
+        sys.exit("--compare-builds: an empty set of build options (that is the uncompressed bundle, always run)")
+    trials = make_trials(args.lengths, args.depths, args.trials, args.seed)
+    bundles = {UNCOMPRESSED: build_bundle(args.context, build_options)}
+    bundles |= {f"edgec, {' '.join(options)}": build_bundle(args.context, build_options + options) for options in extra}
+    results = {label: run_worker("edgec", bundle, trials, label) for label, bundle in bundles.items()}
+    torch_trials = [trial for trial in trials if trial["length"] <= args.torch_max_tokens]
+    if torch_trials:
+        results["torch"] = run_worker("torch", bundles[UNCOMPRESSED], torch_trials)
+    rows = compare_rows(results)
+    report = {
+        "date": date.today().isoformat(),
+        "machine": measure.machine(),
+        "load": round(__import__("os").getloadavg()[0], 2),
+        "command": " ".join(["python", "benchmarks/passkey.py", *map(shlex.quote, sys.argv[1:])]),
+        "bundles": {label: bundle.name for label, bundle in bundles.items()},
+        "rows": rows,
+        "engines": {label: {"peak_rss_gb": peak, "records": records} for label, (records, peak, _) in results.items()},
+    }
+    out = models.OUT / f"passkey-compare-{args.context}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    lengths = "/".join(str(length) for length in sorted(args.lengths, reverse=True))
+    title = f"Gemma-3-270m passkeys, {lengths}-token prompts ({report['machine']}, {report['date']})"
+    plot_compare(rows, title, out.with_suffix(".png"))
+    print(compare_table(rows))
+    print(f"wrote {out} and {out.with_suffix('.png').name}")
 
 
 if __name__ == "__main__":
