@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import platform
 import shlex
 import statistics
@@ -357,8 +358,8 @@ def main(argv: list[str] | None = None) -> None:
         results["torch"] = run_worker("torch", bundle, torch_trials)
     report = {
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
-        "load": round(__import__("os").getloadavg()[0], 2),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "load": round(os.getloadavg()[0], 2),
         "command": " ".join(["python", "benchmarks/passkey.py", *sys.argv[1:]]),
         "bundle": bundle.name,
         "build_options": build_options,
@@ -405,7 +406,7 @@ def compare_builds(args: argparse.Namespace, build_options: list[str]) -> None:
     report = {
         "date": date.today().isoformat(),
         "machine": measure.machine(),
-        "load": round(__import__("os").getloadavg()[0], 2),
+        "load": round(os.getloadavg()[0], 2),
         "command": " ".join(["python", "benchmarks/passkey.py", *map(shlex.quote, sys.argv[1:])]),
         "bundles": {label: bundle.name for label, bundle in bundles.items()},
         "rows": rows,
