@@ -7,7 +7,10 @@ Each (bundle, prompt-session order, round) runs in a process of its own, in alte
 the prompt chunk by chunk as ``Model`` does, then select the slots. After each chunk it reads the process's VmRSS and
 the peak within the chunk (VmHWM, reset before each chunk through /proc/self/clear_refs where the kernel allows),
 so the curve shows what grows with the prompt (the cache, or an `end` prompt's temporary state) and what the chunk
-itself needs.
+itself needs. Each row also splits the resident memory by kind (/proc/self/status): anonymous (the heap, ONNX
+Runtime's sessions and arena, numpy's arrays), shared (an `end` prompt's temporary state lies in mappings of its own)
+and file pages (the mapped weights); and the same split is kept after loading, after opening a state, after
+``begin_prompt`` and after the selection — where a peak's excess sits, not only how large it is.
 ``--orders``: the prompt session in the order the runtime chooses (``runtime``), in ONNX Runtime's default order
 (``default``), or both — what ``backend_ort.prompt_order_by_priority`` buys. Results:
 benchmarks/out/prompt_memory.json and a PNG of the curves beside it. Linux only (/proc).
@@ -32,12 +35,20 @@ DEFAULT_BUNDLES = (kv_speed.PLAIN_INT4, kv_speed.FP32_SLOTS)
 ORDERS = {"runtime": ("runtime",), "default": ("default",), "both": ("runtime", "default")}
 
 
+KINDS = ("RssAnon", "RssShmem", "RssFile")  # resident memory by kind, as /proc/self/status splits VmRSS
+
+
 def _status_gib() -> dict[str, float]:
     values = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
+        if line.startswith(("VmRSS:", "VmHWM:", *(f"{kind}:" for kind in KINDS))):
             values[line.split(":")[0]] = int(line.split()[1]) / 2**20
     return values
+
+
+def _kinds(status: dict[str, float]) -> dict[str, float]:
+    """VmRSS and its split by kind, GiB (a kernel without the split gives VmRSS alone)."""
+    return {name: round(status[name], 4) for name in ("VmRSS", *KINDS) if name in status}
 
 
 def _reset_peak() -> bool:
@@ -51,7 +62,8 @@ def _reset_peak() -> bool:
 
 def worker(bundle: Path, ids: list[int], threads: int, order: str) -> dict:
     """One prompt through ``bundle`` in this process: GiB after loading, per chunk (end token, VmRSS, VmHWM within
-    the chunk), after the selection; the prompt's seconds."""
+    the chunk, then RssAnon, RssShmem, RssFile), after the selection; the split by kind at each stage; the prompt's
+    seconds."""
     import numpy as np
 
     from edgec.runtime import Model, backend_ort
@@ -59,11 +71,15 @@ def worker(bundle: Path, ids: list[int], threads: int, order: str) -> dict:
     if order == "default":
         backend_ort.prompt_order_by_priority = lambda spec: False
     model = Model.load(bundle, threads=threads)
-    loaded = _status_gib()["VmRSS"]
+    status = _status_gib()
+    loaded = status["VmRSS"]
+    stages = {"loaded": _kinds(status)}
     state = model._backend.open_state()
+    stages["opened"] = _kinds(_status_gib())
     prompt = np.asarray(ids, np.int64)
     state.reset()
     state.begin_prompt(len(prompt))
+    stages["begun"] = _kinds(_status_gib())
     chunks = model._chunks(len(prompt), getattr(state, "compression", None))
     rows = []
     resets = []
@@ -75,12 +91,15 @@ def worker(bundle: Path, ids: list[int], threads: int, order: str) -> dict:
         else:
             state.run(prompt[start:end], start, last_only=True)
         now = _status_gib()
-        rows.append([end, round(now["VmRSS"], 4), round(now["VmHWM"], 4)])
+        rows.append([end, round(now["VmRSS"], 4), round(now["VmHWM"], 4), *(round(now.get(k, 0.0), 4) for k in KINDS)])
+    stages["last chunk"] = _kinds(now)
     resets.append(_reset_peak())
     state.end_prompt(len(prompt) - 1, last_chunk_start=chunks[-1][0])
     after = _status_gib()
+    stages["selected"] = _kinds(after)
     return {
         "loaded_gib": round(loaded, 4),
+        "stages": stages,
         "chunks": rows,
         "selection_peak_gib": round(after["VmHWM"], 4),
         "after_gib": round(after["VmRSS"], 4),
@@ -110,11 +129,31 @@ def run(bundles: list[Path], length: int, threads: int, rounds: int, orders: tup
         "prompt": length,
         "threads": threads,
         "runs": runs,
-        "summary": {
-            name: {key: statistics.median(r[key] for r in results) for key in ("loaded_gib", "peak_gib", "prompt_s")}
-            for name, results in runs.items()
-        },
+        "summary": {name: _summary(results) for name, results in runs.items()},
     }
+
+
+def _summary(results: list[dict]) -> dict:
+    """Medians over a bundle's runs: loaded, peak and prompt seconds, and each stage's split by kind."""
+    summary = {key: statistics.median(r[key] for r in results) for key in ("loaded_gib", "peak_gib", "prompt_s")}
+    stages = results[0]["stages"]
+    summary["stages"] = {
+        stage: {kind: round(statistics.median(r["stages"][stage][kind] for r in results), 4) for kind in kinds}
+        for stage, kinds in stages.items()
+    }
+    return summary
+
+
+def stage_table(summary: dict) -> str:
+    """The stages' split by kind, GiB, one bundle per block (Markdown)."""
+    lines = []
+    for name, values in summary.items():
+        stages = values["stages"]
+        kinds = [kind for kind in ("VmRSS", *KINDS) if all(kind in one for one in stages.values())]
+        lines += [f"{name}", "", "| stage | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+        lines += [f"| {stage} | " + " | ".join(f"{one[k]:.3f}" for k in kinds) + " |" for stage, one in stages.items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -123,16 +162,21 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(10, 5.5))
+    figure, (axis, kinds) = plt.subplots(2, 1, figsize=(10, 9), sharex=True)
     for index, (name, results) in enumerate(result["runs"].items()):
         for number, one in enumerate(results):
             ends = [row[0] for row in one["chunks"]]
-            axis.plot(ends, [row[2] for row in one["chunks"]], color=f"C{index}", alpha=0.8,
-                      label=name if number == 0 else None)  # fmt: skip
-    axis.set_xlabel("prompt tokens read")
+            label = name if number == 0 else None
+            axis.plot(ends, [row[2] for row in one["chunks"]], color=f"C{index}", alpha=0.8, label=label)
+            if all(len(row) > 4 for row in one["chunks"]):  # anonymous solid, shared dashed
+                kinds.plot(ends, [row[3] for row in one["chunks"]], color=f"C{index}", alpha=0.8, label=label)
+                kinds.plot(ends, [row[4] for row in one["chunks"]], color=f"C{index}", alpha=0.8, linestyle="--")
     axis.set_ylabel("process peak within the chunk, GiB")
     axis.set_title(f"Resident memory through a {result['prompt']}-token prompt ({result['machine']}, {result['date']})")
     axis.legend(fontsize=8)
+    kinds.set_xlabel("prompt tokens read")
+    kinds.set_ylabel("after the chunk, GiB: anonymous (solid), shared (dashed)")
+    kinds.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -171,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{name:60s} loaded {values['loaded_gib']:.3f} GiB  peak {values['peak_gib']:.3f} GiB  "
             f"prompt {values['prompt_s']:.1f} s"
         )
+    print()
+    print(stage_table(result["summary"]))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 

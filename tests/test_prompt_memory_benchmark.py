@@ -36,6 +36,24 @@ def test_every_chunk_measured_in_both_orders(tiny_bundle, fp32_slots, tmp_path):
         assert all(0 < row[1] <= row[2] + 1e-3 for row in one["chunks"])  # resident ≤ the chunk's peak
         assert one["peak_gib"] >= max(row[2] for row in one["chunks"]) and one["loaded_gib"] > 0
         assert isinstance(one["peak_per_chunk"], bool)
+        # resident memory split by kind: anonymous + shared + file pages make up VmRSS (KiB rounding aside)
+        for row in one["chunks"]:
+            assert len(row) == 6 and abs(sum(row[3:]) - row[1]) < 1e-3
+        assert list(one["stages"]) == ["loaded", "opened", "begun", "last chunk", "selected"]
+        for stage in one["stages"].values():
+            assert abs(stage["RssAnon"] + stage["RssShmem"] + stage["RssFile"] - stage["VmRSS"]) < 1e-3
+    # an `end` prompt's temporary state lies in mappings of its own (shared), returned after the selection;
+    # the plain bundle's cache is ordinary anonymous memory
+    slots = result["runs"][f"{fp32_slots.name} (runtime order)"][0]["stages"]
+    plain = result["runs"][f"{tiny_bundle.name} (runtime order)"][0]["stages"]
+    assert slots["last chunk"]["RssShmem"] > slots["selected"]["RssShmem"]
+    last_row = result["runs"][f"{fp32_slots.name} (runtime order)"][0]["chunks"][-1]
+    assert last_row[3:] == [slots["last chunk"][kind] for kind in ("RssAnon", "RssShmem", "RssFile")]
+    assert plain["last chunk"]["RssShmem"] == plain["loaded"]["RssShmem"]
+    summary = result["summary"][f"{fp32_slots.name} (runtime order)"]
+    assert summary["stages"]["last chunk"] == slots["last chunk"]  # one run: its own values
+    table = script.stage_table(result["summary"])
+    assert "| last chunk |" in table and "RssShmem" in table
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
