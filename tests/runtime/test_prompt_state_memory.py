@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import sys
 import weakref
 from pathlib import Path
 
@@ -60,37 +61,91 @@ def test_the_temporary_state_is_its_own_mappings_and_freed_when_the_prompt_ends(
     assert all(ref() is not None for ref in real)  # the slots the prompt's selection was written into
 
 
-def test_the_slots_are_not_resident_until_written(fp32_slots):
-    """A fresh state's slots are zero pages the process has not touched: an `end` prompt writes them only when it
-    ends, and they must not count in its peak meanwhile (from the heap they came as recycled, resident pages)."""
+def _resident_pages(array: np.ndarray) -> int:
+    """How many of ``array``'s pages are resident (mincore; Linux)."""
     import ctypes
-    import sys
 
-    if not sys.platform.startswith("linux"):
-        pytest.skip("mincore residency: Linux")
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    start = array.__array_interface__["data"][0]
+    low = start - start % mmap.PAGESIZE
+    pages = -(-(start + array.nbytes - low) // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(low, pages * mmap.PAGESIZE, vector) == 0
+    return sum(byte & 1 for byte in vector)
 
-    def resident_pages(array: np.ndarray) -> int:
-        start = array.__array_interface__["data"][0]
-        low = start - start % mmap.PAGESIZE
-        pages = -(-(start + array.nbytes - low) // mmap.PAGESIZE)
-        vector = (ctypes.c_ubyte * pages)()
-        assert libc.mincore(low, pages * mmap.PAGESIZE, vector) == 0
-        return sum(byte & 1 for byte in vector)
 
-    model = Model.load(fp32_slots)
+def _first_prompt(bundle: Path):
+    """A state after one 100-token `end` prompt, and its slots' k/v arrays — which stayed untouched (not resident)
+    until the prompt's selection wrote them at its end."""
+    model = Model.load(bundle)
     state = model._backend.open_state()
     state.reset()
     slots = {tensor.input: value.numpy() for tensor, value in state._state if tensor.name in ("k", "v")}
-    assert slots and all(resident_pages(array) == 0 for array in slots.values())
+    assert slots and all(_resident_pages(array) == 0 for array in slots.values())
     ids = np.array(model.encode(pydoc_text()[:3000])[:100])
     state.begin_prompt(len(ids))
     for start in range(0, len(ids), 16):
         state.run(ids[start : start + 16], start, last_only=True)
-    assert all(resident_pages(array) == 0 for array in slots.values())  # the prompt went to the temporary state
+    assert all(_resident_pages(array) == 0 for array in slots.values())  # the prompt went to the temporary state
     state.end_prompt(len(ids) - 1, last_chunk_start=96)
-    assert all(resident_pages(array) > 0 for array in slots.values())
+    assert all(_resident_pages(array) > 0 for array in slots.values())
+    return model, state, slots
+
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore residency, MADV_REMOVE: Linux")
+
+
+@linux_only
+def test_the_slots_are_not_resident_until_written(fp32_slots):
+    """A fresh state's slots are zero pages the process has not touched: an `end` prompt writes them only when it
+    ends, and they must not count in its peak meanwhile (from the heap they came as recycled, resident pages)."""
+    _first_prompt(fp32_slots)
+
+
+@linux_only
+def test_a_second_prompt_gives_the_first_prompts_slots_back(fp32_slots):
+    """What the slots hold is dead once the next `end` prompt begins (its selection rewrites every row), so their
+    pages go back to the system then: the second prompt's temporary state is not built on top of the first
+    prompt's resident slots. The answers are a fresh state's."""
+    model, state, slots = _first_prompt(fp32_slots)
+    ids = np.array(model.encode(pydoc_text()[3000:6000])[:100])
+
+    def answer(state) -> tuple[np.ndarray, list[int]]:
+        state.reset()
+        state.begin_prompt(len(ids))
+        for start in range(0, len(ids), 16):
+            logits = state.run(ids[start : start + 16], start, last_only=True)
+        state.end_prompt(len(ids) - 1, last_chunk_start=96)
+        tokens = [int(logits[-1].argmax())]
+        for position in range(len(ids), len(ids) + 6):
+            tokens.append(int(state.run(np.array(tokens[-1:]), position, last_only=True)[-1].argmax()))
+        return logits[-1].copy(), tokens
+
+    state.reset()
+    state.begin_prompt(len(ids))
+    assert all(_resident_pages(array) == 0 for array in slots.values())  # given back, the buffers still bound
+    assert all(not array.any() for array in slots.values())  # and they read as zeros
+    logits, tokens = answer(state)
+    fresh_logits, fresh_tokens = answer(model._backend.open_state())
+    np.testing.assert_array_equal(logits, fresh_logits)
+    assert tokens == fresh_tokens
+    assert all(_resident_pages(array) > 0 for array in slots.values())  # the second selection is in them
+
+
+@linux_only
+def test_pages_of_a_buffer_that_is_not_an_own_mapping_are_not_given_back():
+    """``_release_pages`` gives back only shared mappings' pages (``_own_mapping``'s): on a private buffer (the
+    heap, numpy's own) the system refuses, so a buffer of another kind is never zeroed under its owner."""
+    import onnxruntime as ort
+
+    array = np.full((1, 3, 64, 256), 1.5, np.float32)  # 192 KiB: numpy's own, private
+    value = ort.OrtValue.ortvalue_from_numpy(array)
+    assert backend_ort._release_pages(value) is False
+    assert (array == 1.5).all()
+    own = backend_ort._own_mapping(array)
+    assert backend_ort._release_pages(ort.OrtValue.ortvalue_from_numpy(own)) is True
+    assert not own.any() and (array == 1.5).all()
 
 
 @pytest.mark.parametrize("fill", [0, -1, 2.5])
