@@ -1,6 +1,7 @@
 """Resident memory through a long prompt, chunk by chunk: where a compressed bundle's peak comes from.
 
     python benchmarks/prompt_memory.py [BUNDLE ...] [--prompt 8000] [--threads 2] [--rounds 2] [--orders both]
+        [--prompts 1]
 
 Default bundles: kv_speed.py's plain int4 one and its 1,024-fp32-slot one (``end`` prompts), built if missing.
 Each (bundle, prompt-session order, round) runs in a process of its own, in alternation: load, open a state, read
@@ -10,7 +11,9 @@ so the curve shows what grows with the prompt (the cache, or an `end` prompt's t
 itself needs. Each row also splits the resident memory by kind (/proc/self/status): anonymous (the heap, ONNX
 Runtime's sessions and arena, numpy's arrays), shared (an `end` prompt's temporary state lies in mappings of its own)
 and file pages (the mapped weights); and the same split is kept after loading, after opening a state, after
-``begin_prompt`` and after the selection — where a peak's excess sits, not only how large it is.
+``begin_prompt`` and after the selection — where a peak's excess sits, not only how large it is. ``--prompts N``
+reads the prompt N times in each process, one after another as a chat or a server would, and reports each one's
+peak (the rows and stages are the last prompt's): a state's second prompt starts with the first one's slots.
 ``--orders``: the prompt session in the order the runtime chooses (``runtime``), in ONNX Runtime's default order
 (``default``), or both — what ``backend_ort.prompt_order_by_priority`` buys. Results:
 benchmarks/out/prompt_memory.json and a PNG of the curves beside it. Linux only (/proc).
@@ -60,10 +63,11 @@ def _reset_peak() -> bool:
     return True
 
 
-def worker(bundle: Path, ids: list[int], threads: int, order: str) -> dict:
-    """One prompt through ``bundle`` in this process: GiB after loading, per chunk (end token, VmRSS, VmHWM within
-    the chunk, then RssAnon, RssShmem, RssFile), after the selection; the split by kind at each stage; the prompt's
-    seconds."""
+def worker(bundle: Path, ids: list[int], threads: int, order: str, prompts: int = 1) -> dict:
+    """``prompts`` prompts of ``ids`` through ``bundle``, one after another in this process (as a chat or a server
+    reads them): GiB after loading; for the last prompt, per chunk (end token, VmRSS, VmHWM within the chunk, then
+    RssAnon, RssShmem, RssFile) and after the selection; the split by kind at each stage (``begun`` and after it:
+    the last prompt's); each prompt's own peak; the last prompt's seconds."""
     import numpy as np
 
     from edgec.runtime import Model, backend_ort
@@ -77,39 +81,45 @@ def worker(bundle: Path, ids: list[int], threads: int, order: str) -> dict:
     state = model._backend.open_state()
     stages["opened"] = _kinds(_status_gib())
     prompt = np.asarray(ids, np.int64)
-    state.reset()
-    state.begin_prompt(len(prompt))
-    stages["begun"] = _kinds(_status_gib())
     chunks = model._chunks(len(prompt), getattr(state, "compression", None))
-    rows = []
-    resets = []
-    started = time.perf_counter()
-    for start, end in chunks:
+    peaks = []
+    for _ in range(prompts):
+        resets = [_reset_peak()]
+        state.reset()
+        state.begin_prompt(len(prompt))
+        stages["begun"] = _kinds(_status_gib())
+        rows = []
+        started = time.perf_counter()
+        for start, end in chunks:
+            resets.append(_reset_peak())
+            if end < len(prompt) and hasattr(state, "feed"):
+                state.feed(prompt[start:end], start)
+            else:
+                state.run(prompt[start:end], start, last_only=True)
+            now = _status_gib()
+            kinds = (round(now.get(kind, 0.0), 4) for kind in KINDS)
+            rows.append([end, round(now["VmRSS"], 4), round(now["VmHWM"], 4), *kinds])
+        stages["last chunk"] = _kinds(now)
         resets.append(_reset_peak())
-        if end < len(prompt) and hasattr(state, "feed"):
-            state.feed(prompt[start:end], start)
-        else:
-            state.run(prompt[start:end], start, last_only=True)
-        now = _status_gib()
-        rows.append([end, round(now["VmRSS"], 4), round(now["VmHWM"], 4), *(round(now.get(k, 0.0), 4) for k in KINDS)])
-    stages["last chunk"] = _kinds(now)
-    resets.append(_reset_peak())
-    state.end_prompt(len(prompt) - 1, last_chunk_start=chunks[-1][0])
-    after = _status_gib()
-    stages["selected"] = _kinds(after)
+        state.end_prompt(len(prompt) - 1, last_chunk_start=chunks[-1][0])
+        after = _status_gib()
+        stages["selected"] = _kinds(after)
+        seconds = time.perf_counter() - started
+        peaks.append(round(max([after["VmHWM"], *(row[2] for row in rows)]), 4))
     return {
         "loaded_gib": round(loaded, 4),
         "stages": stages,
         "chunks": rows,
         "selection_peak_gib": round(after["VmHWM"], 4),
         "after_gib": round(after["VmRSS"], 4),
-        "peak_gib": round(max([after["VmHWM"], *(row[2] for row in rows)]), 4),
-        "prompt_s": round(time.perf_counter() - started, 2),
+        "peak_gib": max(peaks),
+        "prompt_peaks_gib": peaks,
+        "prompt_s": round(seconds, 2),
         "peak_per_chunk": all(resets),  # False: each chunk's "peak" is the process's peak up to it
     }
 
 
-def run(bundles: list[Path], length: int, threads: int, rounds: int, orders: tuple[str, ...]) -> dict:
+def run(bundles: list[Path], length: int, threads: int, rounds: int, orders: tuple[str, ...], prompts: int = 1) -> dict:
     ids = kv_speed.prompt_ids(length, bundles[0])
     if len(ids) < length:
         sys.exit(f"the prompt text gives {len(ids)} tokens, fewer than --prompt {length}")
@@ -118,6 +128,7 @@ def run(bundles: list[Path], length: int, threads: int, rounds: int, orders: tup
         pairs = [(bundle, order) for bundle in bundles for order in orders]
         for bundle, order in pairs if number % 2 == 0 else reversed(pairs):
             command = [sys.executable, __file__, "--worker", str(bundle), "--threads", str(threads), "--order", order]
+            command += ["--prompts", str(prompts)]
             done = subprocess.run(command, input=json.dumps(ids), capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 sys.exit(f"{bundle.name} ({order} order) failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -127,6 +138,7 @@ def run(bundles: list[Path], length: int, threads: int, rounds: int, orders: tup
         "machine": machine(),
         "command": "python benchmarks/prompt_memory.py " + " ".join(sys.argv[1:]),
         "prompt": length,
+        "prompts": prompts,
         "threads": threads,
         "runs": runs,
         "summary": {name: _summary(results) for name, results in runs.items()},
@@ -136,6 +148,9 @@ def run(bundles: list[Path], length: int, threads: int, rounds: int, orders: tup
 def _summary(results: list[dict]) -> dict:
     """Medians over a bundle's runs: loaded, peak and prompt seconds, and each stage's split by kind."""
     summary = {key: statistics.median(r[key] for r in results) for key in ("loaded_gib", "peak_gib", "prompt_s")}
+    summary["prompt_peaks_gib"] = [
+        round(statistics.median(one), 4) for one in zip(*(r["prompt_peaks_gib"] for r in results), strict=True)
+    ]
     stages = results[0]["stages"]
     summary["stages"] = {
         stage: {kind: round(statistics.median(r["stages"][stage][kind] for r in results), 4) for kind in kinds}
@@ -188,17 +203,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--orders", choices=list(ORDERS), default="both")
+    parser.add_argument(
+        "--prompts", type=int, default=1, help="prompts read one after another in each process (a chat, a server)"
+    )
     parser.add_argument("--out", type=Path, default=kv_speed.OUT / "prompt_memory.json")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--order", choices=("runtime", "default"), default="runtime", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, json.loads(sys.stdin.read()), args.threads, args.order)))
+        print(json.dumps(worker(args.worker, json.loads(sys.stdin.read()), args.threads, args.order, args.prompts)))
         return
     if not Path("/proc/self/status").exists():
         sys.exit("this benchmark reads /proc/self/status (Linux)")
-    if args.prompt < 2 or args.rounds < 1:
-        sys.exit("--prompt must be ≥ 2 and --rounds ≥ 1")
+    if args.prompt < 2 or args.rounds < 1 or args.prompts < 1:
+        sys.exit("--prompt must be ≥ 2, --rounds and --prompts ≥ 1")
     bundles = args.bundles
     if not bundles:
         kv_speed.prepare(list(DEFAULT_BUNDLES))
@@ -206,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     for bundle in bundles:
         if not (bundle / "manifest.json").is_file():
             sys.exit(f"not a bundle: {bundle}")
-    result = run(bundles, args.prompt, args.threads, args.rounds, ORDERS[args.orders])
+    result = run(bundles, args.prompt, args.threads, args.rounds, ORDERS[args.orders], args.prompts)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     plot(result, args.out.with_suffix(".png"))
@@ -214,6 +232,11 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{name:60s} loaded {values['loaded_gib']:.3f} GiB  peak {values['peak_gib']:.3f} GiB  "
             f"prompt {values['prompt_s']:.1f} s"
+            + (
+                f"  each prompt's peak {', '.join(f'{x:.3f}' for x in values['prompt_peaks_gib'])} GiB"
+                if args.prompts > 1
+                else ""
+            )
         )
     print()
     print(stage_table(result["summary"]))

@@ -57,8 +57,28 @@ def test_every_chunk_measured_in_both_orders(tiny_bundle, fp32_slots, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+def test_prompts_read_one_after_another_in_one_process(fp32_slots, tmp_path):
+    """``--prompts 2``: each process reads the prompt twice on one state, as a chat or a server would; each
+    prompt's peak is reported, and the rows and stages are the second prompt's."""
+    script = benchmark_script("prompt_memory")
+    out = tmp_path / "memory.json"
+    script.main([str(fp32_slots), "--prompt", "70", "--threads", "1", "--rounds", "1", "--orders", "runtime",
+                 "--prompts", "2", "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    (one,) = result["runs"][f"{fp32_slots.name} (runtime order)"]
+    assert result["prompts"] == 2 and len(one["prompt_peaks_gib"]) == 2
+    assert one["peak_gib"] == max(one["prompt_peaks_gib"]) and all(peak > 0 for peak in one["prompt_peaks_gib"])
+    assert [row[0] for row in one["chunks"]] == [6, 22, 38, 54, 70]  # one prompt's chunks, not both
+    assert result["summary"][f"{fp32_slots.name} (runtime order)"]["prompt_peaks_gib"] == one["prompt_peaks_gib"]
+
+
 @pytest.mark.parametrize(
-    "args,message", [(["nowhere"], "not a bundle: .*nowhere$"), (["--prompt", "1"], "--prompt must be")]
+    "args,message",
+    [
+        (["nowhere"], "not a bundle: .*nowhere$"),
+        (["--prompt", "1"], "--prompt must be"),
+        (["--prompts", "0"], "--prompts ≥ 1"),
+    ],
 )
 def test_bad_arguments_are_one_line(args, message, tmp_path):
     script = benchmark_script("prompt_memory")
