@@ -233,9 +233,9 @@ def _release_pages(value: ort.OrtValue) -> bool:
     """Give the pages of a host buffer made by ``_own_mapping`` back to the system, keeping its address (bindings to
     it stay valid); it reads as zeros afterwards. ``MADV_REMOVE``: those mappings are shared anonymous ones, whose
     pages ``MADV_DONTNEED`` would leave resident. False where the system does not offer it (nothing changes)."""
-    advice = getattr(mmap, "MADV_REMOVE", None)
+    advice = getattr(mmap, "MADV_REMOVE", None)  # Linux
     size = int(np.prod(value.shape())) * value.numpy().itemsize
-    if advice is None or size == 0 or not hasattr(ctypes, "CDLL"):
+    if advice is None or size == 0:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
