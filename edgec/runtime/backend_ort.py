@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import io
 import logging
 import mmap
@@ -229,20 +230,26 @@ def _own_mapping(array: np.ndarray) -> np.ndarray:
     return copy
 
 
+@functools.cache
+def _madvise() -> Any:
+    """The C library's ``madvise``, loaded once; None where it cannot be."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
 def _release_pages(value: ort.OrtValue) -> bool:
     """Give the pages of a host buffer made by ``_own_mapping`` back to the system, keeping its address (bindings to
     it stay valid); it reads as zeros afterwards. ``MADV_REMOVE``: those mappings are shared anonymous ones, whose
     pages ``MADV_DONTNEED`` would leave resident. False where the system does not offer it (nothing changes)."""
     advice = getattr(mmap, "MADV_REMOVE", None)  # Linux
-    size = int(np.prod(value.shape())) * value.numpy().itemsize
-    if advice is None or size == 0:
+    size = value.numpy().nbytes
+    if advice is None or size == 0 or (madvise := _madvise()) is None:
         return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return False
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(value.data_ptr(), size, advice) == 0
+    return madvise(value.data_ptr(), size, advice) == 0
 
 
 def _kernel_presents(outputs: set[str], spec: CacheSpec) -> dict[str, str]:
