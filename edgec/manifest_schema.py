@@ -75,6 +75,7 @@ SCHEMA_V1: dict[str, Any] = {
         "decode_file?": str,
         "static_tokens?": int,
         "prefill_file?": str,  # multi-token steps' graph over the same weights (edgec/prefill_graph.py)
+        "extend_file?": str,  # the prompt chunks that only extend the slots (edgec/extend_graph.py)
         "no_logits_rows?": bool,  # the graphs take an empty logits_index (edgec/logits_rows.py)
     },
     "cache": {
@@ -185,6 +186,7 @@ PATH_FIELDS = (
     "model.file",
     "model.decode_file",
     "model.prefill_file",
+    "model.extend_file",
     "tokenizer.file",
     "runtime.engine",
     "runtime.plugin.module",

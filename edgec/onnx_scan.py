@@ -82,7 +82,7 @@ def graph_problems(folder: Path, manifest: dict[str, Any], scans: dict[str, Grap
     filled with each graph file's scan, for a loader that reads them again (``runtime.shared_weights``)."""
     problems = []
     files = manifest["files"]
-    for key in ("file", "decode_file", "prefill_file"):
+    for key in ("file", "decode_file", "prefill_file", "extend_file"):
         name = manifest["model"].get(key)
         if name is None:
             continue

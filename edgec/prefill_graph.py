@@ -35,7 +35,7 @@ def write_prefill_graph(
     gqa, whose presents the decode graph exposes, ``expose_decode_present``; ``context``: the bundle's longest
     sequence, the positions its rotary tables cover), or when its compressed layers' prompt chunks read fp32 slots
     through the kernel over the state (``cache``: the bundle's cache spec; ``expose_chunk_present``); returns the
-    manifest's model entries for it ({} if none)."""
+    manifest's model entries for it ({} if none), with the extend graph's where it has one (``extend_graph``)."""
     import onnx_ir as ir
     import onnx_ir.passes.common
 
@@ -50,10 +50,15 @@ def write_prefill_graph(
     if chunk_kernel:
         expose_chunk_present(folder / f"{PREFILL_FILE}.tmp", cache, context)
     (folder / f"{PREFILL_FILE}.tmp").replace(folder / PREFILL_FILE)
+    entries = {"prefill_file": PREFILL_FILE}
+    if chunk_kernel:  # the chunks that only extend the slots on a graph without the branches they never take
+        from edgec.extend_graph import write_extend_graph
+
+        entries |= write_extend_graph(folder, PREFILL_FILE, cache)
     _one_branch(folder / "model.onnx", "decode")  # model.onnx: one-token steps only, from now on
     if native_decode is not None:
         expose_decode_present(folder / "model.onnx", native_decode, context)
-    return {"prefill_file": PREFILL_FILE}
+    return entries
 
 
 # how a decode graph over fp32 slots attends once its evictions are batched: "matmul" (standard ops,

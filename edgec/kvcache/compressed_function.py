@@ -574,6 +574,10 @@ class _Kernel:
 # what the branches of a call on fp32 slots give for k and v (the rows and where they go), scattered after them
 DEFERRED = ("k_cache", "v_cache")
 STATE_KERNEL = "state_kernel"  # the kernel's node name (prefill_graph finds it by it)
+# the If branches of the two choices a call that only extends the slots makes one way, by their graphs' names:
+# the kernel's output (not the fallback attention) and the direct write (not the pairing). The extend graph
+# (edgec/extend_graph.py) keeps the first of each pair alone
+EXTEND_CHOICES = {("kernel_attention", "fallback_attention"), ("direct_writes", "paired_writes")}
 WRITTEN_INDEX = "written_index"  # [B,Hkv,T,3] int64: where each new row lands (batch, head, slot), for ScatterND
 
 

@@ -1,0 +1,108 @@
+"""A third graph for the prompt chunks that only extend the slots: ``extend.onnx``, the prompt-chunk graph
+(``prefill.onnx``) with each compressed layer's two choices that such a call always makes the same way taken out
+of their ``If``: the attention is the kernel's over the state (not the fallback attention over every slot), and
+the chunk's rows go straight into the empty slots after the filled ones (not paired with the weakest slots). The
+branches left out are never run by such a call, but ONNX Runtime holds every node of both branches in memory
+from the moment a session opens (~5 KiB a node): SmolLM2 over 1,024 fp32 slots, 30 layers × 183 nodes.
+
+A call only extends the slots when every slot up to the filled ones is filled, its positions come after every
+cached one and increase, and its tokens fit the slots after them — every chunk of an ``end`` prompt (into its
+temporary state) and of a first prompt within the capacity. The runtime proves that per call
+(``OrtCacheState._extends``) and runs the call here; any other multi-token call runs on the general graph, which
+the runtime opens the first time one comes (a chat's later turn into full slots) and then uses for every call.
+So a bundle that reads one prompt and decodes never opens the general graph (docs/BENCHMARKS.md, thirty-fifth
+round of issue 21: the session's memory and its opening time).
+
+Only for the calls' kernel over fp32 slots (``compressed_function._state_kernel``), on compressed layers without a
+sliding window, under a policy whose prompt scores need no call's whole score matrix (``prompt_needs`` without
+``total``: there an observing call does not take the kernel's output). Not for the hierarchical cache (its
+reserved slots) or a mixed-precision one (another body).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edgec.errors import BuildError
+
+if TYPE_CHECKING:
+    import onnx
+
+    from edgec.kvcache.spec import CacheSpec
+
+EXTEND_FILE = "extend.onnx"
+
+
+def extend_graph_applies(spec: CacheSpec) -> bool:
+    """Whether a bundle of this cache spec gets an extend graph beside its prompt-chunk graph (module docstring)."""
+    from edgec.kvcache import policies
+    from edgec.kvcache.policies.base import prompt_needs
+
+    compression = spec.compression
+    if compression is None or compression.dtype != "fp32" or compression.recall or compression.mixed != "none":
+        return False
+    if "total" in prompt_needs(policies.get(compression.policy)):
+        return False
+    return all(layer.window == 0 for layer in spec.layers if layer.compressed)
+
+
+def write_extend_graph(folder: Path, prefill_file: str, spec: CacheSpec) -> dict[str, Any]:
+    """Write ``extend.onnx`` beside ``prefill_file`` (weights stay references into the same data file) where the
+    spec allows it (``extend_graph_applies``); returns the manifest's model entry for it ({} if none). Every
+    compressed layer must have both choices, or the op's body has changed under this rewrite: a BuildError."""
+    import onnx
+    import onnx_ir as ir
+    import onnx_ir.passes.common
+
+    if not extend_graph_applies(spec):
+        return {}
+    model = onnx.load(str(folder / prefill_file), load_external_data=False)
+    taken = keep_extending_branches(model.graph)
+    layers = sum(1 for layer in spec.layers if layer.compressed)
+    if taken != 2 * layers:
+        raise BuildError(
+            f"{prefill_file}: found {taken} of the {2 * layers} extending choices its {layers} compressed layers "
+            "should have (compressed_function.EXTEND_CHOICES); the op's body changed"
+        )
+    temporary = folder / f"{EXTEND_FILE}.tmp"
+    onnx.save(model, str(temporary))
+    del model
+    graph = ir.load(temporary)
+    onnx_ir.passes.common.RemoveUnusedNodesPass()(graph)  # the choices' conditions, read by nothing now
+    ir.save(graph, temporary)
+    temporary.replace(folder / EXTEND_FILE)
+    return {"extend_file": EXTEND_FILE}
+
+
+def keep_extending_branches(graph: onnx.GraphProto) -> int:
+    """Replace, in ``graph`` and every subgraph, each ``If`` choosing between a pair of
+    ``compressed_function.EXTEND_CHOICES`` by its first branch's nodes (its outputs passed on by Identity nodes
+    under the If's output names); returns how many."""
+    import onnx
+    from onnx import helper
+
+    from edgec.kvcache.compressed_function import EXTEND_CHOICES
+
+    taken = 0
+    nodes = []
+    for node in graph.node:
+        branches = {attribute.name: attribute.g for attribute in node.attribute}
+        if node.op_type == "If" and (branches["then_branch"].name, branches["else_branch"].name) in EXTEND_CHOICES:
+            kept = branches["then_branch"]
+            taken += keep_extending_branches(kept)
+            graph.initializer.extend(kept.initializer)
+            nodes.extend(kept.node)
+            nodes.extend(
+                helper.make_node("Identity", [inner.name], [outer], name=f"{outer}_extending")
+                for inner, outer in zip(kept.output, node.output, strict=True)
+            )
+            taken += 1
+            continue
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                taken += keep_extending_branches(attribute.g)
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return taken
