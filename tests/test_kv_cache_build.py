@@ -295,7 +295,7 @@ def test_kernel_decode_equals_the_op_body_with_evictions(tmp_path_factory, tiny_
             np.testing.assert_array_equal(value, other[name])
         else:
             np.testing.assert_allclose(value, other[name], atol=2e-4, rtol=1e-4)
-    presents = fast._idle[-1]._presents[fast._idle[-1].session]
+    presents = fast._idle[-1].graph.presents
     assert sorted(presents.values()) == sorted(f"present.{n.split('.')[1]}.{n[-1]}" for n in presents)
     assert len(presents) == 2 * manifest(native)["model"]["num_layers"]
     # a smaller capacity chosen at load keeps its spare row, and a saved state restores into it

@@ -13,6 +13,9 @@ A compressed cache whose settings say ``prefill_compress = end`` reads a prompt 
 a larger, temporary state (the graph's slot count is symbolic) and then keeps the best ``capacity`` slots
 per head (``reference.select_slots``) — once per prompt, not per token.
 
+Prompt chunks run on a graph of their own where the bundle has one (``prefill.onnx``), and those that only extend
+the slots on ``extend.onnx`` where it has that (``PromptGraphs``; ``edgec.extend_graph``).
+
 On a GPU provider (CUDA) the state lives in device memory (``StateDevice``): a step copies only the tokens in and
 the logits out, never the cache; resetting, reading and compacting the state go through the same OrtValues.
 
@@ -30,6 +33,8 @@ import io
 import logging
 import mmap
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -282,13 +287,51 @@ def _state_bytes(spec: CacheSpec, prompt_tokens: int, vocab_size: int) -> int:
     return spec.total_bytes() + spec.end_prompt_bytes(prompt_tokens) + 4 * vocab_size
 
 
-class OrtBackend:
-    """A dynamic-shape bundle: one session (two where the bundle has a prompt-chunk graph, ``prefill``: then
-    multi-token steps run on it); each cache state binds its own buffers to them."""
+class PromptGraphs:
+    """A bundle's prompt-chunk graphs: the general one (``prefill.onnx``: any multi-token call) and, where the
+    bundle has it, the extend graph (``extend.onnx``, ``edgec.extend_graph``: calls that only extend the slots).
+    With an extend graph, only it is opened at load; the general one opens at the first call that needs it and
+    from then on runs every call, the extend graph dropped (one prompt-chunk session resident at a time: each packs
+    its own copy of the 4-bit weights). ``open_general``: opens the general graph (an ``OrtGraph``)."""
 
-    def __init__(self, graph: OrtGraph, vocab_size: int, max_tokens: int, prefill: OrtGraph | None = None) -> None:
+    def __init__(self, open_general: Callable[[], OrtGraph], extend: OrtGraph | None = None) -> None:
+        self._open_general = open_general
+        self._general: OrtGraph | None = None
+        self.extend = extend
+        self._lock = threading.Lock()  # served streams share one backend: the general graph opens once
+        if extend is None:
+            self.general()
+
+    @property
+    def opened_general(self) -> bool:
+        return self._general is not None
+
+    def general(self) -> OrtGraph:
+        """The general graph, opened now if it was not. The extend graph is dropped first, so that the general
+        session is built in the memory the extend session held rather than beside it (SmolLM2, 1,024 fp32 slots:
+        the process's peak at that call 0.95 GiB the other way round, 0.66 when it was never opened)."""
+        with self._lock:
+            if self._general is None:
+                self.extend = None
+                self._general = self._open_general()
+            return self._general
+
+    def for_call(self, extends: bool) -> OrtGraph:
+        """The graph a multi-token call runs on: the extend graph where it has one and ``extends`` (the call only
+        extends the slots, ``OrtCacheState._extends``), else the general one. (No reference to the extend graph
+        is held here while the general one opens.)"""
+        if extends and self.extend is not None:
+            return self.extend
+        return self.general()
+
+
+class OrtBackend:
+    """A dynamic-shape bundle: one session (more where the bundle has prompt-chunk graphs, ``prompts``: then
+    multi-token steps run on them); each cache state binds its own buffers to them."""
+
+    def __init__(self, graph: OrtGraph, vocab_size: int, max_tokens: int, prompts: PromptGraphs | None = None) -> None:
         self.graph, self.spec, self.vocab_size, self.max_tokens = graph, graph.spec, vocab_size, max_tokens
-        self.prefill = prefill
+        self.prompts = prompts
         self.no_logits_rows = False  # the graphs take an empty logits_index (the manifest's model.no_logits_rows)
         if self.spec.compression is not None and self.spec.compression.recall:
             from edgec.runtime.recall_state import check_recall_graph
@@ -298,6 +341,14 @@ class OrtBackend:
     @property
     def providers(self) -> list[str]:
         return self.graph.session.get_providers()
+
+    @property
+    def prefill(self) -> OrtGraph | None:
+        """The prompt-chunk graph a prompt's chunks run on now: the extend graph while there is one, else the
+        general one (None: the bundle has neither; multi-token steps run on ``graph``)."""
+        if self.prompts is None:
+            return None
+        return self.prompts.extend or self.prompts.general()
 
     def state_bytes(self, spec: CacheSpec, prompt_tokens: int = 0) -> int:
         return _state_bytes(spec, prompt_tokens, self.vocab_size)
@@ -312,8 +363,8 @@ class OrtBackend:
         if self.spec.compression is not None and self.spec.compression.recall:  # the hierarchical cache
             from edgec.runtime.recall_state import RecallCacheState
 
-            return RecallCacheState(self.graph, self.vocab_size, spec=spec, prefill=self.prefill)
-        state = OrtCacheState(self.graph, self.vocab_size, spec=spec, prefill=self.prefill)
+            return RecallCacheState(self.graph, self.vocab_size, spec=spec, prompts=self.prompts)
+        state = OrtCacheState(self.graph, self.vocab_size, spec=spec, prompts=self.prompts)
         state.no_logits_rows = self.no_logits_rows
         return state
 
@@ -336,12 +387,11 @@ class OrtCacheState:
         vocab_size: int,
         shared_state: list[StateEntry] | None = None,
         spec: CacheSpec | None = None,
-        prefill: OrtGraph | None = None,
+        prompts: PromptGraphs | None = None,
     ) -> None:
         self.graph = graph
         self.session = graph.session
-        self._chunk_session = prefill.session if prefill is not None else graph.session  # multi-token steps
-        self._chunk_observes = (prefill or graph).observes
+        self._prompts = prompts  # the graphs multi-token steps run on (None: this one)
         self.spec = spec or graph.spec  # a compressed cache's slot count may differ per state (open_state)
         self.compression = self.spec.compression
         self._protected = self.spec.protected
@@ -357,22 +407,24 @@ class OrtCacheState:
         self._observe_one = np.ones(1, bool)  # one token always observes
         self._logits_dtype = graph.logits_dtype
         self._logits = np.zeros((1, 1, vocab_size), self._logits_dtype)
-        self._presents = {one.session: one.presents for one in (prefill or graph, graph)}  # per graph, found once
         # tokens written into the state multi-token steps run on since it was last empty (None: not known). The
         # filled slots never reach past it (each call fills at most its T tokens' slots, lowest empty first), so
         # while it plus a call's T fits the k/v buffer, the chunk kernel's write lands in empty rows and its present
         # may be bound to the buffer (_binding); else it is left to a fresh tensor
         self._fed: int | None = 0
+        # the newest position written since the state was last empty (-1: none yet; None: not known), which an
+        # extending call's positions must follow (_extends)
+        self._newest: int | None = -1
         self._decode = self._binding(
             self._state, self._token, self._position, self._last, self._protect_one, self._logits, self._observe_one
         )
 
     def _binding(
-        self, state, ids, positions, index, protect, logits, observe, session=None, presents_in_place: bool = True
+        self, state, ids, positions, index, protect, logits, observe, graph=None, presents_in_place: bool = True
     ) -> ort.IOBinding:
-        session = session or self.session
-        binding = session.io_binding()
-        presents = self._presents.get(session, {}) if presents_in_place else {}
+        graph = graph or self.graph
+        binding = graph.session.io_binding()
+        presents = graph.presents if presents_in_place else {}
         for tensor, value in state:
             binding.bind_ortvalue_input(tensor.input, value)
             binding.bind_ortvalue_output(tensor.output, value)
@@ -381,7 +433,7 @@ class OrtCacheState:
         feeds = {"input_ids": ids, "position_ids": positions, "logits_index": index}
         if self._protected:
             feeds[PROTECT_INPUT] = protect
-            if self._chunk_observes if session is self._chunk_session else self.graph.observes:
+            if graph.observes:
                 feeds[OBSERVE_INPUT] = observe
         # the binding holds only the native values: the numpy buffers they wrap must outlive it, so it keeps them
         binding.keep_alive = [*feeds.values(), logits]
@@ -400,7 +452,7 @@ class OrtCacheState:
         """Empty every slot. Only positions need clearing: an empty slot (pos -1) is masked, never scored or
         kept, and whatever finite values it holds are overwritten when it is filled."""
         self._active = self._state
-        self._fed = 0
+        self._fed, self._newest = 0, -1
         self._observation.end()
         for tensor, value in self._state:
             if tensor.name in POSITIONS:  # a mixed cache's wide pool has its own
@@ -409,7 +461,7 @@ class OrtCacheState:
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
         """Set every state tensor to a saved value (``arrays()``'s names and shapes)."""
         self._active = self._state
-        self._fed = None  # whatever the saved state holds
+        self._fed = self._newest = None  # whatever the saved state holds
         for tensor, value in self._state:
             value.update_inplace(np.ascontiguousarray(arrays[tensor.input]))
 
@@ -437,7 +489,7 @@ class OrtCacheState:
                 ) from None
             larger = {entry[0]: entry for entry in temporary}
             self._active = [larger.get(entry[0], entry) for entry in self._state]
-            self._fed = 0
+            self._fed, self._newest = 0, -1
             if device.kind == "cpu":
                 # what the slots hold is dead from here (end_prompt rewrites every row of them): their pages go back
                 # now, or a second prompt's temporary state is built on top of the first prompt's resident slots
@@ -461,7 +513,7 @@ class OrtCacheState:
         for tensor, value in self._state:
             real.setdefault(tensor.layer, []).append((tensor, value))
         self._active = self._state
-        self._fed = None  # the kept slots, up to the capacity
+        self._fed = self._newest = None  # the kept slots, up to the capacity
         # a layer at a time, its temporary buffers dropped (unmapped: _own_mapping) once its slots are written,
         # so the temporary state and the real one are never resident whole together. The entries must outlive
         # every read: ``OrtValue.numpy()`` is a view that does not keep the buffer (unmapped, it would fault)
@@ -489,7 +541,9 @@ class OrtCacheState:
             self._position[0, 0] = start
             self._protect_one[0, 0] = bool(protect[0]) if protect is not None else False
             self.session.run_with_iobinding(self._decode)
-            self._fed = None if self._fed is None else self._fed + 1
+            if self._fed is not None:
+                self._fed += 1
+                self._newest = None if self._newest is None else max(self._newest, start)
             return self._logits[0]
         index = np.array([count - 1], np.int64) if last_only else np.arange(count, dtype=np.int64)
         positions = np.arange(start, start + count, dtype=np.int64)
@@ -505,21 +559,36 @@ class OrtCacheState:
         ids = np.ascontiguousarray(ids, np.int64).reshape(1, count)
         positions = np.ascontiguousarray(positions, np.int64).reshape(1, count)
         index = np.ascontiguousarray(index, np.int64)
-        observe = np.array([self._observation.observes(int(positions.max()))])
-        session = self._chunk_session if count > 1 else self.session
+        newest = int(positions.max())
+        observe = np.array([self._observation.observes(newest)])
+        graph = self.graph
         in_place = True  # a decode graph's presents are always the state's (its kernel writes the spare row)
-        if session is self._chunk_session and session is not self.session:
-            in_place = self._fed is not None and self._fed + count <= self._chunk_rows()
-        binding = self._binding(self._active, ids, positions, index, flags, logits, observe, session, in_place)
-        session.run_with_iobinding(binding)
-        self._fed = None if self._fed is None else self._fed + count
+        if count > 1 and self._prompts is not None:
+            graph = self._prompts.for_call(self._prompts.extend is not None and self._extends(positions[0]))
+            in_place = self._fed is not None and self._fed + count <= self._chunk_rows(graph)
+        binding = self._binding(self._active, ids, positions, index, flags, logits, observe, graph, in_place)
+        graph.session.run_with_iobinding(binding)
+        if self._fed is not None:
+            self._fed += count
+            self._newest = None if self._newest is None else max(self._newest, newest)
         return logits[0]
 
-    def _chunk_rows(self) -> int:
-        """The fewest rows of the k/v buffers whose chunk-kernel presents the prompt-chunk graph exposes, in the
-        state multi-token steps run on (0 when it exposes none)."""
-        presents = self._presents.get(self._chunk_session, {})
+    def _chunk_rows(self, graph: OrtGraph) -> int:
+        """The fewest rows of the k/v buffers whose chunk-kernel presents ``graph`` exposes, in the state
+        multi-token steps run on (0 when it exposes none)."""
+        presents = graph.presents
         return min((value.shape()[2] for tensor, value in self._active if tensor.input in presents), default=0)
+
+    def _extends(self, positions: np.ndarray) -> bool:
+        """Whether a call at ``positions`` (more than one) only extends the slots, as the extend graph requires
+        (``edgec.extend_graph``): its tokens fit the slots after the ``_fed`` tokens written since the state was
+        last empty — so every call since then fitted too, and as each fills the lowest empty slots first, no slot
+        below a filled one is empty — and its positions increase and follow every position written (``_newest``).
+        A restored state or one whose prompt was selected (``_fed`` None) is never proved."""
+        if self._fed is None or self._newest is None or positions[0] <= self._newest:
+            return False
+        slots = min((value.shape()[2] for tensor, value in self._active if tensor.name in POSITIONS), default=0)
+        return self._fed + len(positions) <= slots and bool(np.all(positions[1:] > positions[:-1]))
 
 
 class StaticOrtBackend:
@@ -632,32 +701,49 @@ def open_backend(
     vocab = int(model["vocab_size"])
     on_cpu = providers[0] == "CPUExecutionProvider"
     shared = {}
-    if "prefill_file" in model and "decode_file" not in model and on_cpu:
-        arrays = shared_weights.shared_weights(folder, [model["file"], model["prefill_file"]], scans)
+    prompt_files = [model[key] for key in ("prefill_file", "extend_file") if key in model]
+    if prompt_files and "decode_file" not in model and on_cpu:
+        arrays = shared_weights.shared_weights(folder, [model["file"], *prompt_files], scans)
         shared = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
     first = OrtGraph(folder / model["file"], spec, providers, threads, provider_options, exact, spin, shared)
     if "decode_file" not in model:
-        prefill = None
+        prompts = None
         if "prefill_file" in model:
             chunk_threads, chunk_spin = (prompt_threads, prompt_spin) if prompt_threads else (threads, spin)
-            prefill = OrtGraph(
-                folder / model["prefill_file"],
-                spec,
-                providers,
-                chunk_threads,
-                provider_options,
-                exact,
-                chunk_spin,
-                shared,
+            prompt_graph = functools.partial(
+                OrtGraph,
+                spec=spec,
+                providers=providers,
+                threads=chunk_threads,
+                provider_options=provider_options,
+                exact=exact,
+                spin=chunk_spin,
+                initializers=shared,
                 prepack=not shared,  # the mapped weights stay unpacked there (shared_weights: why)
                 priority_order=prompt_order_by_priority(spec),
                 memory_pattern=PROMPT_MEMORY_PATTERN or not on_cpu,
             )
-        backend = OrtBackend(first, vocab, prefill_chunk, prefill)
+            extend = prompt_graph(folder / model["extend_file"]) if "extend_file" in model else None
+            general = functools.partial(_open_general, prompt_graph, folder / model["prefill_file"])
+            prompts = PromptGraphs(general, extend)
+        backend = OrtBackend(first, vocab, prefill_chunk, prompts)
         backend.no_logits_rows = model.get("no_logits_rows") is True
         return backend
     decode = OrtGraph(folder / model["decode_file"], spec, providers, threads, provider_options, exact, spin)
     return StaticOrtBackend(first, decode, vocab, int(model["static_tokens"]))
+
+
+def _open_general(prompt_graph: Callable[[Path], OrtGraph], path: Path) -> OrtGraph:
+    """The general prompt-chunk graph, opened when the first call needs it (``PromptGraphs``): ONNX Runtime's
+    failure there is one line, as at load."""
+    try:
+        return prompt_graph(path)
+    except MemoryError:
+        raise GenerationError(f"no memory left to open {path.name}, the graph this call needs") from None
+    except Exception as error:
+        if not type(error).__module__.startswith("onnxruntime"):
+            raise
+        raise BundleError(f"ONNX Runtime cannot load {path}: {one_line(error)}") from None
 
 
 def check_cuda_can_start() -> None:

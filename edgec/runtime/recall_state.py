@@ -26,7 +26,7 @@ from edgec.errors import BundleError
 from edgec.kvcache.recall import HostTier
 from edgec.kvcache.reference import select_slots
 from edgec.kvcache.spec import CacheSpec, recall_query_name
-from edgec.runtime.backend_ort import OrtCacheState, OrtGraph
+from edgec.runtime.backend_ort import OrtCacheState, OrtGraph, PromptGraphs
 
 KEPT = ("k", "v", "k_scale", "v_scale")  # what the host tier stores of a token (score and pos are its own)
 
@@ -49,7 +49,7 @@ class RecallCacheState(OrtCacheState):
     """An ``OrtCacheState`` with a host tier per compressed layer and recall into reserved slots."""
 
     def __init__(
-        self, graph: OrtGraph, vocab_size: int, spec: CacheSpec | None = None, prefill: OrtGraph | None = None
+        self, graph: OrtGraph, vocab_size: int, spec: CacheSpec | None = None, prompts: PromptGraphs | None = None
     ) -> None:
         spec = spec or graph.spec
         compression = spec.compression
@@ -60,7 +60,7 @@ class RecallCacheState(OrtCacheState):
             layer.layer: np.zeros((1, shapes[recall_query_name(layer.layer)][1], layer.head_dim), np.float32)
             for layer in self._layers
         }
-        super().__init__(graph, vocab_size, spec=spec, prefill=prefill)
+        super().__init__(graph, vocab_size, spec=spec, prompts=prompts)
         self._views = self._compressed_views(self._state)
         self.reserved = compression.recall_slots
         self.every = compression.recall_every
@@ -95,19 +95,23 @@ class RecallCacheState(OrtCacheState):
                 views.setdefault(tensor.layer, {})[tensor.name] = array
         return views
 
-    def _binding(self, state, ids, positions, index, protect, logits, observe, session=None, presents_in_place=True):
+    def _binding(self, state, ids, positions, index, protect, logits, observe, graph=None, presents_in_place=True):
         import onnxruntime as ort
 
-        binding = super()._binding(state, ids, positions, index, protect, logits, observe, session, presents_in_place)
+        binding = super()._binding(state, ids, positions, index, protect, logits, observe, graph, presents_in_place)
         for layer, query in self._queries.items():
             binding.bind_ortvalue_output(recall_query_name(layer), ort.OrtValue.ortvalue_from_numpy(query))
         binding.keep_alive += list(self._queries.values())
         return binding
 
-    def _chunk_rows(self) -> int:
+    def _chunk_rows(self, graph: OrtGraph) -> int:
         """0: recall writes tokens into slots between steps, which the count of tokens fed does not see, so the
         chunk kernel's presents are never bound here (a fresh present each chunk: correct, a copy)."""
         return 0
+
+    def _extends(self, positions: np.ndarray) -> bool:
+        """False, for the same reason (and a hierarchical bundle has no extend graph: ``extend_graph``)."""
+        return False
 
     # --- the protocol ------------------------------------------------------------------------------------------
     def reset(self) -> None:

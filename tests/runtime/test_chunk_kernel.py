@@ -43,12 +43,11 @@ def _bindings(monkeypatch, mode: str) -> list[bool]:
     (the runtime's rule), "never" or "always" overrides the rule."""
     seen: list[bool] = []
 
-    def binding(self, state, ids, positions, index, protect, logits, observe, session=None, presents_in_place=True):
-        chunk = session is self._chunk_session and session is not self.session
-        if chunk:
+    def binding(self, state, ids, positions, index, protect, logits, observe, graph=None, presents_in_place=True):
+        if graph is not None and graph is not self.graph:  # a prompt-chunk graph's
             presents_in_place = {"proved": presents_in_place, "never": False, "always": True}[mode]
             seen.append(presents_in_place)
-        return BINDING(self, state, ids, positions, index, protect, logits, observe, session, presents_in_place)
+        return BINDING(self, state, ids, positions, index, protect, logits, observe, graph, presents_in_place)
 
     monkeypatch.setattr(OrtCacheState, "_binding", binding)
     return seen
