@@ -6,12 +6,12 @@ branches left out are never run by such a call, but ONNX Runtime holds every nod
 from the moment a session opens (~5 KiB a node): SmolLM2 over 1,024 fp32 slots, 30 layers × 183 nodes.
 
 A call only extends the slots when every slot up to the filled ones is filled, its positions come after every
-cached one and increase, and its tokens fit the slots after them — every chunk of an ``end`` prompt (into its
-temporary state) and of a first prompt within the capacity. The runtime proves that per call
+cached one and increase, and its tokens fit the slots after them — every chunk of a prompt read from an empty
+state (an ``end`` prompt's into its temporary state). The runtime proves that per call
 (``OrtCacheState._extends``) and runs the call here; any other multi-token call runs on the general graph, which
-the runtime opens the first time one comes (a chat's later turn into full slots) and then uses for every call.
-So a bundle that reads one prompt and decodes never opens the general graph (docs/BENCHMARKS.md, thirty-fifth
-round of issue 21: the session's memory and its opening time).
+the runtime opens the first time one comes (a state continued after its selection or a restore) and then uses for
+every call. So ``edgec run``, ``chat`` and ``serve``, which read every prompt from an empty state, never open it
+(docs/BENCHMARKS.md, thirty-fifth round of issue 21: the session's memory and its opening time).
 
 Only for the calls' kernel over fp32 slots (``compressed_function._state_kernel``), on compressed layers without a
 sliding window, under a policy whose prompt scores need no call's whole score matrix (``prompt_needs`` without
