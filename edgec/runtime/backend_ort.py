@@ -415,6 +415,8 @@ class OrtCacheState:
         # the newest position written since the state was last empty (-1: none yet; None: not known), which an
         # extending call's positions must follow (_extends)
         self._newest: int | None = -1
+        # the compressed layers, whose slots bound an extending call (a sliding-window ring is not the op's)
+        self._compressed_layers = frozenset(layer.layer for layer in self.spec.layers if layer.compressed)
         self._decode = self._binding(
             self._state, self._token, self._position, self._last, self._protect_one, self._logits, self._observe_one
         )
@@ -587,7 +589,14 @@ class OrtCacheState:
         A restored state or one whose prompt was selected (``_fed`` None) is never proved."""
         if self._fed is None or self._newest is None or positions[0] <= self._newest:
             return False
-        slots = min((value.shape()[2] for tensor, value in self._active if tensor.name in POSITIONS), default=0)
+        slots = min(
+            (
+                value.shape()[2]
+                for tensor, value in self._active
+                if tensor.name in POSITIONS and tensor.layer in self._compressed_layers
+            ),
+            default=0,
+        )
         return self._fed + len(positions) <= slots and bool(np.all(positions[1:] > positions[:-1]))
 
 

@@ -217,3 +217,21 @@ def test_prompts_read_from_the_start_never_open_the_general_graph(fp32_slots, id
     first = model.generate(ids[:100], max_new_tokens=5)
     turn = [*ids[:100], *model.encode(first), *ids[100:120]]
     assert model.generate(turn, max_new_tokens=5) and not model._backend.prompts.opened_general
+
+
+def test_a_windowed_model_s_rings_do_not_limit_extending(tiny_gemma3, tmp_path, monkeypatch):
+    """Gemma-3's sliding-window layers keep rings of their own (not the compressed op): only the compressed layers'
+    slots bound an extending call, so a prompt longer than the window still runs on the extend graph alone."""
+    out = tmp_path / "gemma.edgec"
+    settings = dict(target="cpu", context=96, prefill_chunk=16, kv_capacity=40, kv_dtype="fp32", kv_window=8)
+    build(tiny_gemma3[0], out, build_settings(**settings))
+    model = Model.load(out)
+    assert model._backend.prompts.extend is not None
+    ids = model.encode(pydoc_text()[:4000])[:80]  # > the 16-token window, > the 40 slots: an `end` prompt
+    logits = model._prefill(model._backend.open_state(), ids, all_logits=True)
+    tokens = model.generate(ids, max_new_tokens=5)
+    assert not model._backend.prompts.opened_general
+    monkeypatch.setattr(OrtCacheState, "_extends", lambda self, positions: False)
+    general = Model.load(out)
+    np.testing.assert_array_equal(general._prefill(general._backend.open_state(), ids, all_logits=True), logits)
+    assert general.generate(ids, max_new_tokens=5) == tokens
