@@ -53,3 +53,11 @@ def one_line(text: object, limit: int = 400) -> str:
     text = str(text)[: limit * 2]
     escaped = "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
     return escaped if len(escaped) <= limit else escaped[: limit - 1] + "…"
+
+
+def runtime_load_error(path: object, error: BaseException) -> BundleError | None:
+    """ONNX Runtime's own exception (InvalidGraph, Fail, ...; not our types) while it loads ``path``, as one line;
+    None for any other exception, which the caller re-raises."""
+    if not type(error).__module__.startswith("onnxruntime"):
+        return None
+    return BundleError(f"ONNX Runtime cannot load {path}: {one_line(error)}")

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnxruntime as ort
 
-from edgec.errors import BundleError, GenerationError, one_line
+from edgec.errors import BundleError, GenerationError, one_line, runtime_load_error
 from edgec.kvcache.reference import select_slots
 from edgec.kvcache.spec import OBSERVE_INPUT, POSITIONS, PROTECT_INPUT, CacheSpec, StateTensor, present_name
 from edgec.runtime import shared_weights
@@ -412,8 +412,8 @@ class OrtCacheState:
         # while it plus a call's T fits the k/v buffer, the chunk kernel's write lands in empty rows and its present
         # may be bound to the buffer (_binding); else it is left to a fresh tensor
         self._fed: int | None = 0
-        # the newest position written since the state was last empty (-1: none yet; None: not known), which an
-        # extending call's positions must follow (_extends)
+        # the newest position written since the state was last empty (-1: none yet), which an extending call's
+        # positions must follow (_extends); None exactly when ``_fed`` is (set together everywhere)
         self._newest: int | None = -1
         # the compressed layers, whose slots bound an extending call (a sliding-window ring is not the op's)
         self._compressed_layers = frozenset(layer.layer for layer in self.spec.layers if layer.compressed)
@@ -545,7 +545,7 @@ class OrtCacheState:
             self.session.run_with_iobinding(self._decode)
             if self._fed is not None:
                 self._fed += 1
-                self._newest = None if self._newest is None else max(self._newest, start)
+                self._newest = max(self._newest, start)
             return self._logits[0]
         index = np.array([count - 1], np.int64) if last_only else np.arange(count, dtype=np.int64)
         positions = np.arange(start, start + count, dtype=np.int64)
@@ -572,7 +572,7 @@ class OrtCacheState:
         graph.session.run_with_iobinding(binding)
         if self._fed is not None:
             self._fed += count
-            self._newest = None if self._newest is None else max(self._newest, newest)
+            self._newest = max(self._newest, newest)
         return logits[0]
 
     def _chunk_rows(self, graph: OrtGraph) -> int:
@@ -587,7 +587,7 @@ class OrtCacheState:
         last empty — so every call since then fitted too, and as each fills the lowest empty slots first, no slot
         below a filled one is empty — and its positions increase and follow every position written (``_newest``).
         A restored state or one whose prompt was selected (``_fed`` None) is never proved."""
-        if self._fed is None or self._newest is None or positions[0] <= self._newest:
+        if self._fed is None or positions[0] <= self._newest:
             return False
         slots = min(
             (
@@ -750,9 +750,9 @@ def _open_general(prompt_graph: Callable[[Path], OrtGraph], path: Path) -> OrtGr
     except MemoryError:
         raise GenerationError(f"no memory left to open {path.name}, the graph this call needs") from None
     except Exception as error:
-        if not type(error).__module__.startswith("onnxruntime"):
+        if (failure := runtime_load_error(path, error)) is None:
             raise
-        raise BundleError(f"ONNX Runtime cannot load {path}: {one_line(error)}") from None
+        raise failure from None
 
 
 def check_cuda_can_start() -> None:

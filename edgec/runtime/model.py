@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from edgec.bundle import TrustedKeys, open_bundle, upgrade_manifest
-from edgec.errors import BuildSettingsError, BundleError, GenerationError, one_line
+from edgec.errors import BuildSettingsError, BundleError, GenerationError, one_line, runtime_load_error
 from edgec.kvcache.compression import Compression
 from edgec.kvcache.spec import CacheSpec
 from edgec.runtime import prefix_cache as saved_prompts
@@ -269,10 +269,10 @@ class Model:
             )
         except MemoryError:
             raise BundleError(f"{path} needs more memory than this machine can give (its cache or logits)") from None
-        except Exception as error:  # ONNX Runtime's own exception types (InvalidGraph, Fail, ...) are not ours
-            if not type(error).__module__.startswith("onnxruntime"):
+        except Exception as error:
+            if (failure := runtime_load_error(path, error)) is None:
                 raise
-            raise BundleError(f"ONNX Runtime cannot load {path}: {one_line(error)}") from None
+            raise failure from None
 
     # --- prompts -----------------------------------------------------------------------------------------
     def set_chat_format(self, chat_format: ChatFormat) -> None:
