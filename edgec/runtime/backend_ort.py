@@ -34,6 +34,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -189,16 +190,22 @@ def _allocate(
 ) -> list[StateEntry]:
     """Fresh state on ``device`` (a GPU copy is made once here; steps then update it in place there).
     ``temporary`` (a long prompt's state, dropped when the prompt ends); ``compressed_only``: the compressed layers'
-    tensors alone (the others keep their buffers through a prompt). On the CPU a temporary state and the compressed
-    layers' slots are host buffers of their own mappings (``_own_mapping``): the temporary state so that it goes
-    back to the system when the prompt ends, the slots so that their zeros stay untouched — not resident — until
-    written. From the heap, the slots came as recycled pages, resident from the start, and an `end` prompt writes
-    them only at its end: 13–47 MB of SmolLM2's 8K-prompt peak, run to run (docs/BENCHMARKS.md)."""
+    tensors alone (the others keep their buffers through a prompt). On the CPU:
+    - the compressed layers' slots are host buffers of their own mappings (``_own_mapping``), so that their zeros
+      stay untouched — not resident — until written. From the heap they came as recycled pages, resident from the
+      start, and an `end` prompt writes them only at its end: 13–47 MB of SmolLM2's 8K-prompt peak, run to run;
+    - a temporary state is numpy's, from the C allocator, as a plain cache is: it fills the heap pages that loading
+      freed (~35 MiB of SmolLM2's 8K-prompt peak; in mappings of its own it could not), and each buffer's pages go
+      back to the system the moment it is dropped (``_heap_buffer``), not kept by the allocator for reuse
+      (docs/BENCHMARKS.md, thirty-sixth round)."""
     compressed = {layer.layer for layer in spec.layers if layer.compressed}
 
     def value(tensor: StateTensor, array: np.ndarray) -> ort.OrtValue:
-        own = device.kind == "cpu" and (temporary or tensor.layer in compressed)
-        return ort.OrtValue.ortvalue_from_numpy(_own_mapping(array) if own else array, device.kind, device.index)
+        if device.kind == "cpu" and temporary:
+            array = _heap_buffer(array)
+        elif device.kind == "cpu" and tensor.layer in compressed:
+            array = _own_mapping(array)
+        return ort.OrtValue.ortvalue_from_numpy(array, device.kind, device.index)
 
     return [(tensor, value(tensor, array)) for tensor, array in spec.empty_state(compressed_slots, compressed_only)]
 
@@ -220,9 +227,8 @@ def _check_room(spec: CacheSpec, length: int) -> None:
 
 
 def _own_mapping(array: np.ndarray) -> np.ndarray:
-    """``array`` copied into an anonymous mapping of its own, which goes back to the system the moment the array
-    is freed. A heap block stays with the C allocator instead: an `end` prompt's temporary state (the whole
-    prompt's k/v) stayed resident after the prompt — 0.44 GB of SmolLM2's process after 8,000 tokens."""
+    """``array`` copied into an anonymous mapping of its own, whose pages are faulted in only as they are written
+    and go back to the system the moment the array is freed."""
     if array.nbytes == 0:
         return array
     copy = np.frombuffer(mmap.mmap(-1, array.nbytes), array.dtype).reshape(array.shape)
@@ -233,6 +239,30 @@ def _own_mapping(array: np.ndarray) -> np.ndarray:
     if fill:
         copy.fill(fill)
     return copy
+
+
+def _heap_buffer(array: np.ndarray) -> np.ndarray:
+    """``array`` itself (numpy's memory, from the C allocator), set to give its pages back to the system when it is
+    freed (``_give_back_pages``, run by a finalizer before numpy frees the block). A freed heap block otherwise
+    stays resident with the allocator for reuse: an `end` prompt's temporary state (the whole prompt's k/v) stayed
+    resident after the prompt, 0.44 GB of SmolLM2's process after 8,000 tokens (the sixteenth round). Only an
+    array that owns its memory: a view's pages are its base's, still in use."""
+    if array.flags.owndata and array.nbytes >= 2 * mmap.PAGESIZE:
+        weakref.finalize(array, _give_back_pages, array.ctypes.data, array.nbytes).atexit = False
+    return array
+
+
+def _give_back_pages(address: int, size: int) -> bool:
+    """``madvise(MADV_DONTNEED)`` over the whole pages inside a private buffer about to be freed: the system takes
+    them back (read again they would be zeros) and the allocator keeps the address range for its next block. The
+    partial pages at either end are left: the allocator's own bookkeeping may share them. False where the system
+    does not offer it."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    low = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    high = (address + size) // mmap.PAGESIZE * mmap.PAGESIZE
+    if advice is None or high <= low or (madvise := _madvise()) is None:
+        return False
+    return madvise(low, high - low, advice) == 0
 
 
 @functools.cache
@@ -516,9 +546,10 @@ class OrtCacheState:
             real.setdefault(tensor.layer, []).append((tensor, value))
         self._active = self._state
         self._fed = self._newest = None  # the kept slots, up to the capacity
-        # a layer at a time, its temporary buffers dropped (unmapped: _own_mapping) once its slots are written,
-        # so the temporary state and the real one are never resident whole together. The entries must outlive
-        # every read: ``OrtValue.numpy()`` is a view that does not keep the buffer (unmapped, it would fault)
+        # a layer at a time, its temporary buffers dropped (their pages given back: _heap_buffer) once its slots are
+        # written, so the temporary state and the real one are never resident whole together. The entries must
+        # outlive every read: ``OrtValue.numpy()`` is a view that does not keep the buffer (freed, it would read
+        # zeros or the allocator's next block)
         for layer in list(temporary):
             entries = temporary.pop(layer)
             state = {tensor.name: value.numpy() for tensor, value in entries}

@@ -1,6 +1,8 @@
-"""An `end` prompt's temporary state (the whole prompt's k/v for the compressed layers) lives in anonymous
-mappings of its own (``backend_ort._own_mapping``), so its memory goes back to the system when the prompt ends —
-from the C allocator's heap it stayed resident (0.44 GB of SmolLM2's process after an 8,000-token prompt)."""
+"""An `end` prompt's temporary state (the whole prompt's k/v for the compressed layers) is numpy's memory, from the
+C allocator's heap (it fills the pages loading freed, as a plain cache does), and every buffer's pages go back to the
+system when it is dropped (``backend_ort._heap_buffer``): without that the allocator kept them resident (0.44 GB of
+SmolLM2's process after an 8,000-token prompt). The slots are anonymous mappings of their own
+(``backend_ort._own_mapping``), untouched until written."""
 
 from __future__ import annotations
 
@@ -27,11 +29,15 @@ def fp32_slots(tmp_path_factory, tiny_llama):
     return out
 
 
-def test_the_temporary_state_is_its_own_mappings_and_freed_when_the_prompt_ends(fp32_slots, monkeypatch):
+def _record_state_buffers(monkeypatch) -> tuple[list[weakref.ref], dict[int, int], list[int]]:
+    """From now on: the slots' own mappings (weak references), each temporary buffer (address → bytes) and the
+    addresses whose pages were given back, in order."""
     mappings: list[weakref.ref] = []
-    own = backend_ort._own_mapping
+    buffers: dict[int, int] = {}
+    given_back: list[int] = []
+    own, heap, give_back = backend_ort._own_mapping, backend_ort._heap_buffer, backend_ort._give_back_pages
 
-    def recorded(array):
+    def own_recorded(array):
         copy = own(array)
         base = copy.base
         while base is not None and not isinstance(base, mmap.mmap):
@@ -40,25 +46,49 @@ def test_the_temporary_state_is_its_own_mappings_and_freed_when_the_prompt_ends(
             mappings.append(weakref.ref(base))
         return copy
 
-    monkeypatch.setattr(backend_ort, "_own_mapping", recorded)
+    def heap_recorded(array):
+        buffers[array.ctypes.data] = array.nbytes
+        return heap(array)
+
+    def give_back_recorded(address, size):
+        given_back.append(address)
+        return give_back(address, size)
+
+    monkeypatch.setattr(backend_ort, "_own_mapping", own_recorded)
+    monkeypatch.setattr(backend_ort, "_heap_buffer", heap_recorded)
+    monkeypatch.setattr(backend_ort, "_give_back_pages", give_back_recorded)
+    return mappings, buffers, given_back
+
+
+def test_the_temporary_state_gives_its_pages_back_when_the_prompt_ends(fp32_slots, monkeypatch):
+    mappings, buffers, given_back = _record_state_buffers(monkeypatch)
     model = Model.load(fp32_slots)
     state = model._backend.open_state()
     compressed = sum(1 for layer in model.cache_spec.layers if layer.compressed)
     per_state = compressed * len(model.cache_spec.layers[0].state)
-    # the real state's slots are mappings of their own too (untouched zeros, not resident until written), kept
-    assert len(mappings) == per_state
-    real, mappings[:] = list(mappings), []
+    # the real state's slots are mappings of their own (untouched zeros, not resident until written), kept
+    assert len(mappings) == per_state and not buffers
     ids = np.array(model.encode(pydoc_text()[:3000])[:100])
     state.reset()
     state.begin_prompt(len(ids))
-    assert len(mappings) == per_state
-    assert all(ref() is not None for ref in mappings)
+    assert len(mappings) == per_state and len(buffers) == per_state  # the temporary state: numpy's, no mappings
+    large = {address for address, size in buffers.items() if size >= 2 * mmap.PAGESIZE}
+    assert large and not given_back
     for start in range(0, len(ids), 16):
         state.run(ids[start : start + 16], start, last_only=True)
+    assert not given_back
     state.end_prompt(len(ids) - 1, last_chunk_start=96)
     gc.collect()
-    assert all(ref() is None for ref in mappings)  # unmapped: nothing of the prompt's state is left resident
-    assert all(ref() is not None for ref in real)  # the slots the prompt's selection was written into
+    # every buffer of more than a page gave its pages back, once, as the selection dropped it
+    assert sorted(given_back) == sorted(large)
+    assert all(ref() is not None for ref in mappings)  # the slots the prompt's selection was written into
+    # a prompt given up before its end (reset, or a failure) gives its state back too
+    given_back.clear()
+    state.begin_prompt(len(ids))
+    state.run(ids[:16], 0, last_only=True)
+    state.reset()
+    gc.collect()
+    assert len(given_back) == len(large)
 
 
 def _resident_pages(array: np.ndarray) -> int:
@@ -146,6 +176,41 @@ def test_pages_of_a_buffer_that_is_not_an_own_mapping_are_not_given_back():
     own = backend_ort._own_mapping(array)
     assert backend_ort._release_pages(ort.OrtValue.ortvalue_from_numpy(own)) is True
     assert not own.any() and (array == 1.5).all()
+
+
+@linux_only
+def test_giving_back_a_heap_buffers_pages_takes_its_whole_pages_alone():
+    """``_give_back_pages`` on a live private buffer: its whole pages leave the process (not resident, zeros when
+    read again); the partial pages at its ends, which the allocator's bookkeeping may share, keep their bytes."""
+    page = mmap.PAGESIZE
+    base = np.full(16 * page + 200, 7, np.uint8)
+    start = (-base.ctypes.data) % page + 100  # 100 bytes into a page: both ends partial
+    buffer = base[start : start + 10 * page]
+    assert _resident_pages(buffer) == 11
+    assert backend_ort._give_back_pages(buffer.ctypes.data, buffer.nbytes) is True
+    assert _resident_pages(buffer) == 2  # the first and last partial pages
+    first, last = page - 100, 10 * page - 100  # the whole pages: buffer[first:last]
+    assert (buffer[:first] == 7).all() and (buffer[last:] == 7).all() and not buffer[first:last].any()
+    assert backend_ort._give_back_pages(buffer.ctypes.data, page) is False  # no whole page inside
+
+
+def test_a_heap_buffer_gives_its_pages_back_when_freed_and_a_view_never(monkeypatch):
+    """The finalizer runs when the array is freed, before numpy frees its block; a view (whose pages are its
+    base's, still in use) and an array of less than two pages get none."""
+    given_back: list[tuple[int, int]] = []
+    monkeypatch.setattr(backend_ort, "_give_back_pages", lambda address, size: given_back.append((address, size)))
+    array = np.zeros((3, 4096), np.float32)
+    address = array.ctypes.data
+    assert backend_ort._heap_buffer(array) is array
+    base = np.ones((3, 4096), np.float32)
+    view = backend_ort._heap_buffer(base[1:])
+    small = backend_ort._heap_buffer(np.zeros(100, np.float32))
+    del view, small
+    gc.collect()
+    assert given_back == [] and (base == 1).all()
+    del array
+    gc.collect()
+    assert given_back == [(address, 3 * 4096 * 4)]
 
 
 @pytest.mark.parametrize("fill", [0, -1, 2.5])
