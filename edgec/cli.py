@@ -949,8 +949,8 @@ def calibrate(bundle, steps, max_threads, dry_run) -> None:
     """
     from edgec.bundle import open_bundle
     from edgec.errors import BundleError
+    from edgec.runtime.calibration import ROUNDS, candidates, runs_on_cpu, usable_cpus
     from edgec.runtime.calibration import calibrate as measure
-    from edgec.runtime.calibration import candidates, runs_on_cpu, usable_cpus
 
     if not runs_on_cpu(open_bundle(bundle)):
         raise BundleError(f"{bundle} does not run on ONNX Runtime's CPU provider: there are no CPU threads to choose")
@@ -959,9 +959,12 @@ def calibrate(bundle, steps, max_threads, dry_run) -> None:
     def report(setting, ms) -> None:
         click.echo(f"  {setting.label:<22} {ms:8.2f} ms/step  ({1000 / ms:.1f} tokens/s)")
 
-    click.echo(f"timing {steps} decode steps per setting ({len(settings)} settings)")
+    click.echo(
+        f"timing {steps} decode steps per setting ({len(settings)} settings, {ROUNDS} passes, every other one in "
+        "reverse order; a setting's time is their mean)"
+    )
     result = measure(bundle, settings, steps=steps, store=not dry_run, report=report)
-    click.echo(f"fastest: {result.best.label} ({result.step_ms[result.best]:.2f} ms/step)")
+    click.echo(f"fastest: {result.best.label} ({result.step_ms[result.best]:.2f} ms/step, the mean of its passes)")
     if result.stored is not None:
         click.echo(f"stored: {result.stored}")
     elif not dry_run:

@@ -3,14 +3,21 @@
 ONNX Runtime's defaults (one thread per core, pool threads that spin between nodes) are not what decodes fastest
 everywhere: on a busy or small machine a spinning pool waits on descheduled threads at every one of a step's
 thousands of small nodes, and more threads than a model's products can use only add waits (docs/BENCHMARKS.md,
-"threads"). So the runtime measures instead of guessing: ``calibrate`` loads the bundle once per candidate setting
+"threads"). So the runtime measures instead of guessing: ``calibrate`` loads the bundle for each candidate setting
 (1, 2, 4, … threads up to the cores this process may use, each spinning and not), times decode steps on a short
-prompt, and keeps the fastest. The result is stored in the user's cache (``$EDGEC_CACHE_DIR``, default
-``~/.cache/edgec``, ``calibration/``), keyed by the bundle's manifest (which hashes every file) and the machine
-(CPU model, usable cores, ONNX Runtime version), since a bundle folder may be read-only or shared between machines.
-The setting is for decode steps: a bundle with its own prompt-chunk graph reads prompts on every usable core
-(``Model.load``), since a prompt chunk's products are large enough to use them — a calibration that picked 1 thread
-for decode would otherwise read an 8K prompt ~1.8× slower on 2 cores.
+prompt, and keeps the fastest. It goes over the settings twice, the second time in reverse order, and averages each
+setting's two times: the machine's speed drifts while it measures (other tenants of a shared host, clock changes),
+and in one pass a drift falls on whichever settings came last. On a shared 2-vCPU box one pass chose no spinning
+in two calibrations of five for a bundle whose steps took 17–25 ms spinning and 21–29 ms not in the others
+(docs/BENCHMARKS.md, thirty-sixth round). Mirrored, a drift that is linear in time weighs every setting alike, and
+each setting's time is two measurements some seconds apart.
+
+The result is stored in the user's cache (``$EDGEC_CACHE_DIR``, default ``~/.cache/edgec``, ``calibration/``), keyed
+by the bundle's manifest (which hashes every file) and the machine (CPU model, usable cores, ONNX Runtime version),
+since a bundle folder may be read-only or shared between machines. The setting is for decode steps: a bundle with
+its own prompt-chunk graph reads prompts on every usable core (``Model.load``), since a prompt chunk's products are
+large enough to use them — a calibration that picked 1 thread for decode would otherwise read an 8K prompt ~1.8×
+slower on 2 cores.
 
 ``Model.load`` uses a stored calibration when the caller names no thread count (and, for a named thread count, the
 measured spinning choice at that count); ``Model.load(calibrate=True)`` — what ``edgec run``, ``chat`` and ``serve``
@@ -41,11 +48,12 @@ from typing import Any
 from edgec.errors import one_line
 from edgec.runtime.user_cache import user_cache_dir
 
-FORMAT = 1
+FORMAT = 2  # 2: the mean of two mirrored passes (format 1's single pass is measured again)
 MAX_FILE_BYTES = 64 * 1024
 PROMPT_TOKENS = 32
 WARMUP_STEPS = 3
 TIMED_STEPS = 16
+ROUNDS = 2  # passes over the settings, every other one in reverse order
 BUSY_LIMIT = 0.5  # runnable threads of other programs above which a measurement is not stored
 
 log = logging.getLogger("edgec.runtime")
@@ -73,6 +81,7 @@ class Calibration:
     measured_at: str = ""
     busy: float = 0.0  # runnable threads of other programs while measuring
     stored: Path | None = field(default=None, compare=False)
+    passes: dict[Setting, list[float]] = field(default_factory=dict, compare=False)  # each pass's time (step_ms: mean)
 
     def best_at(self, threads: int) -> Setting | None:
         """The faster spinning choice measured at ``threads`` (None: that count was not measured)."""
@@ -80,6 +89,10 @@ class Calibration:
         return min(tried)[1] if tried else None
 
     def to_json(self, bundle_key: str) -> dict[str, Any]:
+        def row(setting: Setting, ms: float) -> dict[str, Any]:
+            passes = {"passes": [round(t, 3) for t in self.passes[setting]]} if setting in self.passes else {}
+            return {"threads": setting.threads, "spin": setting.spin, "ms": round(ms, 3), **passes}
+
         return {
             "format": FORMAT,
             "bundle": bundle_key,
@@ -87,7 +100,7 @@ class Calibration:
             "measured_at": self.measured_at,
             "busy": round(self.busy, 2),
             "best": {"threads": self.best.threads, "spin": self.best.spin},
-            "step_ms": [{"threads": s.threads, "spin": s.spin, "ms": round(ms, 3)} for s, ms in self.step_ms.items()],
+            "step_ms": [row(s, ms) for s, ms in self.step_ms.items()],
         }
 
 
@@ -177,25 +190,30 @@ def calibrate(
     store: bool = True,
     report: Callable[[Setting, float], None] | None = None,
     measure: Callable[[Path, Setting, int], float] | None = None,
+    rounds: int = ROUNDS,
 ) -> Calibration:
     """Measure decode milliseconds per step for each setting (default: ``candidates`` for this machine's cores)
     and keep the fastest; stored for the next load unless other programs kept the cores busy meanwhile (then
-    it is used for this load only) or ``store`` is False. ``report(setting, ms)`` is called after each one."""
+    it is used for this load only) or ``store`` is False. ``rounds`` passes over the settings, every other one in
+    reverse order; a setting's time is the mean of its passes. ``report(setting, ms)`` is called after each
+    measurement."""
     from edgec.runtime.backend_ort import busy_elsewhere
 
     bundle = Path(bundle)
     settings = settings or candidates(usable_cpus())
     measure = measure or decode_step_ms
     busy = [busy_elsewhere()]
-    step_ms = {}
-    for setting in settings:
-        step_ms[setting] = measure(bundle, setting, steps)
-        busy.append(busy_elsewhere())
-        if report:
-            report(setting, step_ms[setting])
+    passes: dict[Setting, list[float]] = {setting: [] for setting in settings}
+    for round_index in range(max(1, rounds)):
+        for setting in settings if round_index % 2 == 0 else settings[::-1]:
+            passes[setting].append(measure(bundle, setting, steps))
+            busy.append(busy_elsewhere())
+            if report:
+                report(setting, passes[setting][-1])
+    step_ms = {setting: statistics.fmean(times) for setting, times in passes.items()}
     best = min(step_ms, key=lambda s: (step_ms[s], s.threads, s.spin))  # a tie goes to fewer threads
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    result = Calibration(best, step_ms, machine_key(), stamp, max(busy))
+    result = Calibration(best, step_ms, machine_key(), stamp, max(busy), passes=passes)
     if store and result.busy <= BUSY_LIMIT:
         key = bundle_key(bundle)
         path = calibration_file(key, result.machine)

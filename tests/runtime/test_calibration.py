@@ -49,7 +49,7 @@ def test_candidates_cover_the_cores():
 def test_the_fastest_is_stored_and_used_by_the_next_load(tiny_bundle):
     measure, tried = fake_times(TABLE)
     result = calibrate(tiny_bundle, measure=measure)
-    assert tried == candidates(4)
+    assert tried == candidates(4) + candidates(4)[::-1]  # two passes, the second in reverse order
     assert result.best == Setting(4, False) and result.stored is not None
     assert stored_calibration(tiny_bundle).step_ms == TABLE
     assert resolve(tiny_bundle, None, None, calibrate_missing=False) == (4, False)
@@ -61,6 +61,29 @@ def test_the_fastest_is_stored_and_used_by_the_next_load(tiny_bundle):
     assert (model.threads, model.spin) == (4, False)
     assert options.intra_op_num_threads == 4
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_a_drift_while_measuring_does_not_pick_the_setting(tiny_bundle, monkeypatch):
+    """A machine that speeds up while it measures (another tenant finishing) makes whichever setting came last look
+    faster in one pass; two mirrored passes weigh every setting alike. Here spinning is 1 ms a step faster and the
+    machine 1.5 ms faster at each measurement."""
+    monkeypatch.setattr(calibration, "usable_cpus", lambda: 2)
+    base = {Setting(1, False): 30.0, Setting(2, True): 20.0, Setting(2, False): 21.0}
+    calls = []
+
+    def drifting(bundle, setting, steps):
+        calls.append(setting)
+        return base[setting] - 1.5 * (len(calls) - 1)
+
+    assert calibrate(tiny_bundle, measure=drifting, rounds=1, store=False).best == Setting(2, False)
+    calls.clear()
+    result = calibrate(tiny_bundle, measure=drifting)
+    assert result.best == Setting(2, True)
+    assert result.passes[Setting(2, True)] == [18.5, 14.0] and result.step_ms[Setting(2, True)] == 16.25
+    stored = json.loads(result.stored.read_text())
+    assert stored["format"] == calibration.FORMAT == 2
+    assert {(row["threads"], row["spin"]): row["passes"] for row in stored["step_ms"]}[(2, False)] == [18.0, 16.5]
+    assert stored_calibration(tiny_bundle).step_ms == result.step_ms
 
 
 def test_a_calibrated_spin_yields_to_a_busy_machine_at_load(tiny_bundle, monkeypatch):
@@ -86,9 +109,9 @@ def test_nothing_stored_means_the_old_defaults_unless_asked(tiny_bundle, monkeyp
     measure, tried = fake_times(TABLE)
     monkeypatch.setattr(calibration, "decode_step_ms", measure)
     assert resolve(tiny_bundle, None, None, calibrate_missing=True) == (4, False)
-    assert len(tried) == 5
+    assert len(tried) == 10
     resolve(tiny_bundle, None, None, calibrate_missing=True)
-    assert len(tried) == 5  # once: the second load reads the stored result
+    assert len(tried) == 10  # once: the second load reads the stored result
 
 
 def test_a_rebuilt_bundle_or_another_machine_is_measured_anew(tiny_bundle, tmp_path, monkeypatch):
@@ -115,7 +138,7 @@ def test_a_rebuilt_bundle_or_another_machine_is_measured_anew(tiny_bundle, tmp_p
         lambda d: d["step_ms"][0].update(ms=-1),
         lambda d: d["step_ms"][0].update(ms="fast"),
         lambda d: d.update(bundle="0" * 64),
-        lambda d: d.update(format=2),
+        lambda d: d.update(format=1),  # one pass, not the mean of two mirrored ones: measured again
         lambda d: d.pop("step_ms"),
         lambda d: d.update(step_ms=None),
     ],
@@ -186,7 +209,7 @@ def test_edgec_run_calibrates_once_unless_told_not_to(tiny_bundle, monkeypatch):
     for _ in range(2):
         result = CliRunner().invoke(main, ["run", str(tiny_bundle), "Hello", "-n", "2", "-q"])
         assert result.exit_code == 0, result.output
-    assert tried == candidates(2)  # measured by the first run only
+    assert tried == candidates(2) + candidates(2)[::-1]  # measured by the first run only (two passes)
     assert stored_calibration(tiny_bundle).best == Setting(1, False)
     named = CliRunner().invoke(main, ["run", str(tiny_bundle), "Hello", "-n", "2", "-q", "--threads", "2"])
     assert named.exit_code == 0, named.output
