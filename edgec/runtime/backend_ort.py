@@ -445,7 +445,8 @@ class OrtCacheState:
         # the newest position written since the state was last empty (-1: none yet), which an extending call's
         # positions must follow (_extends); None exactly when ``_fed`` is (set together everywhere)
         self._newest: int | None = -1
-        # the compressed layers, whose slots bound an extending call (a sliding-window ring is not the op's)
+        # the compressed layers: their slots bound an extending call (a sliding-window ring is not the op's), and an
+        # `end` prompt's temporary state holds them alone
         self._compressed_layers = frozenset(layer.layer for layer in self.spec.layers if layer.compressed)
         self._decode = self._binding(
             self._state, self._token, self._position, self._last, self._protect_one, self._logits, self._observe_one
@@ -536,10 +537,9 @@ class OrtCacheState:
         self._observation.end()
         if self._active is self._state:
             return
-        compressed = {layer.layer for layer in self.spec.layers if layer.compressed}
         temporary: dict[int, list[StateEntry]] = {}
         for tensor, value in self._active:
-            if tensor.layer in compressed:
+            if tensor.layer in self._compressed_layers:
                 temporary.setdefault(tensor.layer, []).append((tensor, value))
         real: dict[int, list[StateEntry]] = {}
         for tensor, value in self._state:
