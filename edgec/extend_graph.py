@@ -2,7 +2,8 @@
 (``prefill.onnx``) with each compressed layer's two choices that such a call always makes the same way taken out
 of their ``If``: the attention is the kernel's over the state (not the fallback attention over every slot), and
 the chunk's rows go straight into the empty slots after the filled ones (not paired with the weakest slots). The
-branches left out are never run by such a call, but ONNX Runtime holds every node of both branches in memory
+branches left out are never run by such a call (nor are the per-layer tests that choose them, ~20 nodes each,
+which become a constant True), but ONNX Runtime holds every node of both branches in memory
 from the moment a session opens (~5 KiB a node): SmolLM2 over 1,024 fp32 slots, 30 layers × 183 nodes.
 
 A call only extends the slots when every slot up to the filled ones is filled, its positions come after every
@@ -65,11 +66,17 @@ def write_extend_graph(folder: Path, prefill_file: str, spec: CacheSpec) -> dict
             f"{prefill_file}: found {taken} of the {2 * layers} extending choices its {layers} compressed layers "
             "should have (compressed_function.EXTEND_CHOICES); the op's body changed"
         )
+    proven = assume_extending(model.graph)
+    if proven != layers:
+        raise BuildError(
+            f"{prefill_file}: found {proven} of the {layers} tests that a call extends the slots "
+            "(compressed_function.EXTENDS_AND_FITS) its compressed layers should have; the op's body changed"
+        )
     temporary = folder / f"{EXTEND_FILE}.tmp"
     onnx.save(model, str(temporary))
     del model
     graph = ir.load(temporary)
-    onnx_ir.passes.common.RemoveUnusedNodesPass()(graph)  # the choices' conditions, read by nothing now
+    onnx_ir.passes.common.RemoveUnusedNodesPass()(graph)  # the choices' conditions and tests, read by nothing now
     ir.save(graph, temporary)
     temporary.replace(folder / EXTEND_FILE)
     return {"extend_file": EXTEND_FILE}
@@ -106,3 +113,22 @@ def keep_extending_branches(graph: onnx.GraphProto) -> int:
     del graph.node[:]
     graph.node.extend(nodes)
     return taken
+
+
+def assume_extending(graph: onnx.GraphProto) -> int:
+    """Replace, in ``graph``, each compressed layer's test that the call extends the slots and fits after them
+    (``compressed_function.EXTENDS_AND_FITS``, ~20 nodes over the slots' positions and the call's) by a constant
+    True: the runtime proves both before it runs a call here (``OrtCacheState._extends``), and the branches kept
+    for this graph already hold only what a true test chooses. Returns how many."""
+    import onnx
+    from onnx import helper
+
+    from edgec.kvcache.compressed_function import EXTENDS_AND_FITS
+
+    proven = 0
+    for index, node in enumerate(graph.node):
+        if node.op_type == "And" and EXTENDS_AND_FITS in node.name:
+            true = helper.make_tensor("true", onnx.TensorProto.BOOL, [], [True])
+            graph.node[index].CopyFrom(helper.make_node("Constant", [], list(node.output), name=node.name, value=true))
+            proven += 1
+    return proven

@@ -477,6 +477,7 @@ def _general(
     kernel = None
     if in_place:  # where its output is taken: the call extends the slots and fits after them
         uses = b.op("And", _extends(b, filled, active, window_attr), _room(b, active, new, capacity))
+        b.nodes[-1].name = b.fresh(EXTENDS_AND_FITS)  # the extend graph replaces it by the runtime's proof
         if "total" in needs:  # an observed call computes every query's probabilities, and its output from them
             uses = b.op("And", uses, b.op("Not", observing))
         kernel = _Kernel(uses, _state_kernel(b, active, new, uses, fused))
@@ -578,6 +579,9 @@ STATE_KERNEL = "state_kernel"  # the kernel's node name (prefill_graph finds it 
 # the kernel's output (not the fallback attention) and the direct write (not the pairing). The extend graph
 # (edgec/extend_graph.py) keeps the first of each pair alone
 EXTEND_CHOICES = {("kernel_attention", "fallback_attention"), ("direct_writes", "paired_writes")}
+# the node testing, on fp32 slots, that a call extends the slots and fits after them (the kernel's ``uses``), by
+# name: the runtime proves both before it runs a call on the extend graph, which holds a constant True there
+EXTENDS_AND_FITS = "extends_and_fits"
 WRITTEN_INDEX = "written_index"  # [B,Hkv,T,3] int64: where each new row lands (batch, head, slot), for ScatterND
 
 

@@ -13,9 +13,9 @@ import onnx
 import pytest
 
 from edgec.build import build
-from edgec.errors import BundleError
-from edgec.extend_graph import EXTEND_FILE, extend_graph_applies, keep_extending_branches
-from edgec.kvcache.compressed_function import EXTEND_CHOICES
+from edgec.errors import BuildError, BundleError
+from edgec.extend_graph import EXTEND_FILE, extend_graph_applies, keep_extending_branches, write_extend_graph
+from edgec.kvcache.compressed_function import EXTEND_CHOICES, EXTENDS_AND_FITS
 from edgec.runtime import Model
 from edgec.runtime.backend_ort import OrtCacheState, PromptGraphs
 from tests.conftest import build_settings, pydoc_text
@@ -67,6 +67,41 @@ def test_the_bundle_lists_an_extend_graph_without_the_branches_an_extending_call
     assert {t.name for t in extend.initializer} <= {t.name for t in general.initializer}
     again = onnx.load(fp32_slots / "prefill.onnx", load_external_data=False)
     assert keep_extending_branches(again.graph) == 2 * layers
+
+
+def _named(graph: onnx.GraphProto, part: str) -> list[onnx.NodeProto]:
+    return [node for node in graph.node if part in node.name]
+
+
+def test_the_extend_graph_holds_the_runtime_s_proof_instead_of_each_layer_s_test(fp32_slots):
+    """The test that a call extends the slots and fits after them is a constant True there, and the nodes that
+    only it read are gone; the general graph keeps it."""
+    layers = json.loads((fp32_slots / "manifest.json").read_text())["model"]["num_layers"]
+    general = onnx.load(fp32_slots / "prefill.onnx", load_external_data=False).graph
+    extend = onnx.load(fp32_slots / EXTEND_FILE, load_external_data=False).graph
+    assert [node.op_type for node in _named(general, EXTENDS_AND_FITS)] == ["And"] * layers
+    proofs = _named(extend, EXTENDS_AND_FITS)
+    assert [node.op_type for node in proofs] == ["Constant"] * layers
+    assert all(onnx.numpy_helper.to_array(node.attribute[0].t) == np.True_ for node in proofs)
+    # what computed the test: the slots' positions compared with the call's, read by nothing else
+    tested = {node.input[0] for node in _named(general, EXTENDS_AND_FITS)}
+    made = {output for node in extend.node for output in node.output}
+    assert not tested & made
+    assert sum(node.op_type == "GreaterOrEqual" for node in extend.node) == layers  # `filled`, still read
+    assert sum(node.op_type == "Less" for node in general.node) > sum(node.op_type == "Less" for node in extend.node)
+
+
+def test_a_body_without_the_named_test_is_a_build_error(fp32_slots, tmp_path):
+    spec = Model.load(fp32_slots).cache_spec
+    folder = tmp_path / "bundle"
+    folder.mkdir()
+    model = onnx.load(fp32_slots / "prefill.onnx", load_external_data=False)
+    for node in _named(model.graph, EXTENDS_AND_FITS)[:1]:
+        node.name = "renamed"
+    onnx.save(model, folder / "prefill.onnx")
+    with pytest.raises(BuildError, match=r"found \d+ of the \d+ tests that a call extends the slots"):
+        write_extend_graph(folder, "prefill.onnx", spec)
+    assert not (folder / EXTEND_FILE).exists()
 
 
 def test_which_caches_get_one(fp32_slots):
