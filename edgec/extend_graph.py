@@ -2,7 +2,7 @@
 (``prefill.onnx``) with each compressed layer's two choices that such a call always makes the same way taken out
 of their ``If``: the attention is the kernel's over the state (not the fallback attention over every slot), and
 the chunk's rows go straight into the empty slots after the filled ones (not paired with the weakest slots). The
-branches left out are never run by such a call (nor are the per-layer tests that choose them, ~20 nodes each,
+branches left out are never run by such a call (nor are the per-layer tests that choose them, ~24 nodes each,
 which become a constant True), but ONNX Runtime holds every node of both branches in memory
 from the moment a session opens (~5 KiB a node): SmolLM2 over 1,024 fp32 slots, 30 layers × 183 nodes.
 
@@ -117,7 +117,7 @@ def keep_extending_branches(graph: onnx.GraphProto) -> int:
 
 def assume_extending(graph: onnx.GraphProto) -> int:
     """Replace, in ``graph``, each compressed layer's test that the call extends the slots and fits after them
-    (``compressed_function.EXTENDS_AND_FITS``, ~20 nodes over the slots' positions and the call's) by a constant
+    (``compressed_function.EXTENDS_AND_FITS``, ~24 nodes over the slots' positions and the call's) by a constant
     True: the runtime proves both before it runs a call here (``OrtCacheState._extends``), and the branches kept
     for this graph already hold only what a true test chooses. Returns how many."""
     import onnx
