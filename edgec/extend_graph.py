@@ -125,10 +125,10 @@ def assume_extending(graph: onnx.GraphProto) -> int:
 
     from edgec.kvcache.compressed_function import EXTENDS_AND_FITS
 
+    true = helper.make_tensor("true", onnx.TensorProto.BOOL, [], [True])
     proven = 0
-    for index, node in enumerate(graph.node):
+    for node in graph.node:
         if node.op_type == "And" and EXTENDS_AND_FITS in node.name:
-            true = helper.make_tensor("true", onnx.TensorProto.BOOL, [], [True])
-            graph.node[index].CopyFrom(helper.make_node("Constant", [], list(node.output), name=node.name, value=true))
+            node.CopyFrom(helper.make_node("Constant", [], list(node.output), name=node.name, value=true))
             proven += 1
     return proven
