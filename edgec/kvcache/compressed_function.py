@@ -482,20 +482,28 @@ def _general(
             uses = b.op("And", uses, b.op("Not", observing))
         kernel = _Kernel(uses, _state_kernel(b, active, new, uses, fused))
 
-    def updated_in(body: Body, judged: str | None, judged_rows: str) -> str:
-        """2. what this call's attention says about each candidate, then the policy's scores."""
+    def statistics(body: Body, judged: str, judged_rows: str, heads_in: str, window_only: bool) -> dict[str, str]:
+        """2. what this call's attention says about each candidate: ``judged`` [B,h,G·n,K] over ``heads_in`` [1]
+        KV heads; ``window_only``: its n rows are the observation window already (no Slice copying them)."""
         stats = {}
-        if needs:
-            shape = body.op("Concat", body.i64([0]), kv_heads, group_size, judged_rows, body.i64([-1]), axis=0)
-            per_query = body.op("Reshape", judged, shape)
+        shape = body.op("Concat", body.i64([0]), heads_in, group_size, judged_rows, body.i64([-1]), axis=0)
+        per_query = body.op("Reshape", judged, shape)
         if "total" in needs:
             stats["total"] = body.op("ReduceSum", per_query, body.i64([2, 3]), keepdims=0)
         if "observed" in needs:
-            observed = body.op("Slice", per_query, body.i64([-compression.observe]), body.i64([HUGE]), body.i64([3]))
+            observed = per_query
+            if not window_only:
+                window = body.i64([-compression.observe]), body.i64([HUGE]), body.i64([3])
+                observed = body.op("Slice", per_query, *window)
             stats["observed"] = body.op("ReduceSum", observed, body.i64([2, 3]), keepdims=0)
         if "last" in needs:
             last = body.op("Slice", per_query, body.i64([-1]), body.i64([HUGE]), body.i64([3]))
             stats["last"] = body.op("ReduceMean", last, body.i64([2, 3]), keepdims=0)
+        return stats
+
+    def updated_in(body: Body, stats: dict[str, str]) -> str:
+        """3. the policy's scores from the statistics [B,Hkv,K]."""
+        stats = dict(stats)
         # back to one entry per candidate: the slots past `active` received nothing
         gap = body.op("Concat", body.i64([0, 0, 0, 0, 0]), body.op("Sub", capacity, active), axis=0)
         for name, stat in stats.items():
@@ -508,7 +516,8 @@ def _general(
         probs = attend_j.probs(j, "q", "position_ids", new)
         out = attend_j.output(j, probs, active)
         # the probabilities are computed for the output anyway: the unobserved case is a choice, not a saving
-        updated = j.op("Where", observing, updated_in(j, probs, new), _unobserved(j, "score", new))
+        stats = statistics(j, probs, new, kv_heads, window_only=False) if needs else {}
+        updated = j.op("Where", observing, updated_in(j, stats), _unobserved(j, "score", new))
     else:
         out = _fused_output(j, attend_j, filled, active, new, window_attr, fused, kernel)
         # the policy reads the last `observe` queries only: their rows alone, and only when the call observes
@@ -521,8 +530,23 @@ def _general(
                     "Slice", "position_ids", body.i64([-compression.observe]), body.i64([HUGE]), body.i64([1])
                 )
                 judged_rows = body.shape(judged_pos, 1)
-                judged = attend_j.in_branch(body).probs(body, judged_q, judged_pos, judged_rows) if needs else None
-                result = updated_in(body, judged, judged_rows)
+                stats = {}
+                if needs and fused.kv == 1:
+                    judged = attend_j.in_branch(body).probs(body, judged_q, judged_pos, judged_rows)
+                    stats = statistics(body, judged, judged_rows, kv_heads, window_only=True)
+                elif needs:  # a KV head at a time: each tensor over the whole prompt's keys a third as large (SmolLM2)
+                    per_head = [
+                        statistics(
+                            body,
+                            attend_j.head_probs(body, head, fused, judged_q, judged_pos, judged_rows),
+                            judged_rows,
+                            body.i64([1]),
+                            window_only=True,
+                        )
+                        for head in range(fused.kv)
+                    ]
+                    stats = {name: body.op("Concat", *(part[name] for part in per_head), axis=1) for name in needs}
+                result = updated_in(body, stats)
             else:
                 result = _unobserved(body, "score", new)
             value = body.op("Identity", result, name=f"{kind}_score")
@@ -901,6 +925,7 @@ class _Attend:
     scale: str
     window: str
     sliced_to: str | None = None  # [1] active, where old_k/old_v are Slices of the fp32 state up to it
+    new_k: str = "k"  # [B,Hkv,T,D]: the new tokens' keys
 
     def probs(self, b: Body, q: str, positions: str, rows: str) -> str:
         """Probabilities [B,Hkv,G·n,active+T] of queries q [B,H,n,D] at positions [B,n] (n = ``rows``), masked
@@ -908,7 +933,7 @@ class _Attend:
         queries = b.op("Reshape", q, self.rows_shape)
         transpose = {"perm": [0, 1, 3, 2]}
         scores_old = b.op("MatMul", queries, b.op("Transpose", self.old_k, **transpose))
-        scores_new = b.op("MatMul", queries, b.op("Transpose", "k", **transpose))
+        scores_new = b.op("MatMul", queries, b.op("Transpose", self.new_k, **transpose))
         scores = b.op("Mul", b.op("Concat", scores_old, scores_new, axis=-1), self.scale)  # [B,Hkv,G·n,K]
         # which keys a query sees depends on its position, not on which head of its group asks: the mask is made
         # once per position, [B,Hkv,1,n,K], and broadcast over the G heads (rows g·n + t hold position t) — a G-th
@@ -921,6 +946,31 @@ class _Attend:
         # Where(valid, scores, -inf) as a Min (_infinities): ONNX Runtime's Where is slower
         masked = b.op("Min", b.op("Reshape", scores, grouped), _infinities(b, valid))  # [B,Hkv,G,n,K]
         return b.op("Softmax", b.op("Reshape", masked, b.op("Shape", scores)), axis=-1)
+
+    def head_probs(self, b: Body, head: int, heads: Heads, q: str, positions: str, rows: str) -> str:
+        """``probs`` of KV head ``head`` alone, [B,1,G·n,active+T], from its group of query heads in q [B,H,n,D]:
+        every tensor over the keys a ``heads.kv``-th as large. The keys it reads are sliced for that head alone (from
+        the fp32 state itself where ``sliced_to``), never the whole past first."""
+        group = heads.query // heads.kv
+
+        def one(name: str, axis: int = 1, first: int = head, size: int = 1) -> str:
+            return b.op("Slice", name, b.i64([first]), b.i64([first + size]), b.i64([axis]))
+
+        if self.sliced_to is None:
+            old_k = one(self.old_k)
+        else:  # the head's filled slots, read from the state in one Slice
+            ends = b.op("Concat", b.i64([head + 1]), self.sliced_to, axis=0)
+            old_k = b.op("Slice", FORMAL["k"], b.i64([head, 0]), ends, b.i64([1, 2]))
+        attend = replace(
+            self,
+            old_k=old_k,
+            old_v="",  # probabilities only: no output from this view
+            key_pos=one(self.key_pos),
+            rows_shape=b.i64([0, 1, -1, heads.dim]),
+            sliced_to=None,
+            new_k=one(self.new_k),
+        )
+        return attend.probs(b, one(q, first=head * group, size=group), positions, rows)
 
     def in_branch(self, b: Body) -> _Attend:
         """The same attention for use inside ``b``, an If branch: fp32 slots sliced from the state there, since
