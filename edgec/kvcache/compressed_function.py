@@ -525,27 +525,13 @@ def _general(
         for kind in ("observed", "unobserved"):
             body = Body(prefix=f"{j.prefix}{kind}_")
             if kind == "observed":
-                judged_q = body.op("Slice", "q", body.i64([-compression.observe]), body.i64([HUGE]), body.i64([2]))
-                judged_pos = body.op(
-                    "Slice", "position_ids", body.i64([-compression.observe]), body.i64([HUGE]), body.i64([1])
-                )
-                judged_rows = body.shape(judged_pos, 1)
                 stats = {}
                 if needs and fused.kv == 1:
+                    judged_q, judged_pos, judged_rows = _observation_window(body, compression)
                     judged = attend_j.in_branch(body).probs(body, judged_q, judged_pos, judged_rows)
                     stats = statistics(body, judged, judged_rows, kv_heads, window_only=True)
                 elif needs:  # a KV head at a time: each tensor over the whole prompt's keys a third as large (SmolLM2)
-                    per_head = [
-                        statistics(
-                            body,
-                            attend_j.head_probs(body, head, fused, judged_q, judged_pos, judged_rows),
-                            judged_rows,
-                            body.i64([1]),
-                            window_only=True,
-                        )
-                        for head in range(fused.kv)
-                    ]
-                    stats = {name: body.op("Concat", *(part[name] for part in per_head), axis=1) for name in needs}
+                    stats = _per_head(body, needs, fused, partial(_head_statistics, compression, attend_j, statistics))
                 result = updated_in(body, stats)
             else:
                 result = _unobserved(body, "score", new)
@@ -586,6 +572,52 @@ def _general(
         b, j, results, compression, attend, filled, active, new, new_pos, observing, window_attr, fused, kernel
     )
     return _scatter_rows(b, results) if in_place else results
+
+
+def _observation_window(b: Body, compression: Compression) -> tuple[str, str, str]:
+    """The call's last ``observe`` queries: their q rows [B,H,n,D], positions [B,n] and n ([1])."""
+    window = b.i64([-compression.observe]), b.i64([HUGE])
+    queries = b.op("Slice", "q", *window, b.i64([2]))
+    positions = b.op("Slice", "position_ids", *window, b.i64([1]))
+    return queries, positions, b.shape(positions, 1)
+
+
+def _head_statistics(compression: Compression, attend: _Attend, statistics, b: Body, head: str, heads: Heads):
+    """One KV head's statistics [B,1,K] over the observation window (``_per_head``'s body)."""
+    queries, positions, rows = _observation_window(b, compression)
+    probs = attend.head_probs(b, head, heads, queries, positions, rows)
+    return statistics(b, probs, rows, b.i64([1]), window_only=True)
+
+
+def _per_head(b: Body, needs: tuple[str, ...], heads: Heads, statistics_of) -> dict[str, str]:
+    """The statistics ``needs`` names, [B,Hkv,K], computed a KV head at a time in a ``Loop`` over the heads
+    (``statistics_of(body, head, heads)``: one head's, [B,1,K] each): one copy of the nodes, not one per head —
+    ONNX Runtime keeps ~5 KiB of memory per node from the moment a session opens, and the observation over
+    SmolLM2's three heads would be 78 nodes more a layer unrolled. The window and the keys are sliced inside the
+    body (ONNX Runtime's optimizer warns when a subgraph reads an outer Slice's output)."""
+    body = Body(prefix=f"{b.prefix}head_")
+    iteration, carried = body.fresh("iteration"), body.fresh("condition")
+    stats = statistics_of(body, body.op("Unsqueeze", iteration, body.i64([0])), heads)
+    outputs = [body.op("Identity", carried, name="condition_out")]
+    outputs += [body.op("Identity", stats[name], name=f"{name}_head") for name in needs]
+    graph = helper.make_graph(
+        body.nodes,
+        "observation_per_head",
+        [
+            helper.make_tensor_value_info(iteration, TensorProto.INT64, []),
+            helper.make_tensor_value_info(carried, TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info(outputs[0], TensorProto.BOOL, [])]
+        + [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs[1:]],
+    )
+    # a condition given (True), not left empty: onnx_ir drops a trailing empty input, and Loop requires two
+    stacked = b.op("Loop", b.i64(heads.kv), b.boolean(True), outputs=len(needs), name="per_head", body=graph)
+    stacked = [stacked] if len(needs) == 1 else stacked
+    # [Hkv,B,1,K] → [B,Hkv,K]
+    return {
+        name: b.op("Transpose", b.op("Squeeze", one, b.i64([2])), perm=[1, 0, 2])
+        for name, one in zip(needs, stacked, strict=True)
+    }
 
 
 @dataclass(frozen=True)
@@ -947,20 +979,28 @@ class _Attend:
         masked = b.op("Min", b.op("Reshape", scores, grouped), _infinities(b, valid))  # [B,Hkv,G,n,K]
         return b.op("Softmax", b.op("Reshape", masked, b.op("Shape", scores)), axis=-1)
 
-    def head_probs(self, b: Body, head: int, heads: Heads, q: str, positions: str, rows: str) -> str:
-        """``probs`` of KV head ``head`` alone, [B,1,G·n,active+T], from its group of query heads in q [B,H,n,D]:
-        every tensor over the keys a ``heads.kv``-th as large. The keys it reads are sliced for that head alone (from
-        the fp32 state itself where ``sliced_to``), never the whole past first."""
+    def head_probs(self, b: Body, head: int | str, heads: Heads, q: str, positions: str, rows: str) -> str:
+        """``probs`` of KV head ``head`` alone (an int, or a [1] int64 tensor: a Loop's iteration), [B,1,G·n,
+        active+T], from its group of query heads in q [B,H,n,D]: every tensor over the keys a ``heads.kv``-th as
+        large. The keys it reads are sliced for that head alone (from the fp32 state itself where ``sliced_to``),
+        never the whole past first."""
         group = heads.query // heads.kv
+        if isinstance(head, int):
+            first, after = b.i64([head]), b.i64([head + 1])
+            first_query, after_query = b.i64([head * group]), b.i64([(head + 1) * group])
+        else:
+            first, after = head, b.op("Add", head, b.i64([1]))
+            first_query = b.op("Mul", head, b.i64([group]))
+            after_query = b.op("Add", first_query, b.i64([group]))
 
-        def one(name: str, axis: int = 1, first: int = head, size: int = 1) -> str:
-            return b.op("Slice", name, b.i64([first]), b.i64([first + size]), b.i64([axis]))
+        def one(name: str) -> str:
+            return b.op("Slice", name, first, after, b.i64([1]))
 
         if self.sliced_to is None:
             old_k = one(self.old_k)
         else:  # the head's filled slots, read from the state in one Slice
-            ends = b.op("Concat", b.i64([head + 1]), self.sliced_to, axis=0)
-            old_k = b.op("Slice", FORMAL["k"], b.i64([head, 0]), ends, b.i64([1, 2]))
+            starts = b.op("Concat", first, b.i64([0]), axis=0)
+            old_k = b.op("Slice", FORMAL["k"], starts, b.op("Concat", after, self.sliced_to, axis=0), b.i64([1, 2]))
         attend = replace(
             self,
             old_k=old_k,
@@ -970,7 +1010,7 @@ class _Attend:
             sliced_to=None,
             new_k=one(self.new_k),
         )
-        return attend.probs(b, one(q, first=head * group, size=group), positions, rows)
+        return attend.probs(b, b.op("Slice", q, first_query, after_query, b.i64([1])), positions, rows)
 
     def in_branch(self, b: Body) -> _Attend:
         """The same attention for use inside ``b``, an If branch: fp32 slots sliced from the state there, since

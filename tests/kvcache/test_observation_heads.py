@@ -17,7 +17,7 @@ HEADS = Heads(query=6, kv=3, dim=8)
 ROWS, ACTIVE, NEW, CAPACITY = 4, 9, 5, 12  # query rows, filled slots, new tokens, slots
 
 
-def _graph(from_state: bool):
+def _graph(from_state: bool, head_tensor: bool):
     b = Body()
     group = b.op("Div", b.i64([HEADS.query]), b.i64([HEADS.kv]))
     rows_shape = b.i64([0, HEADS.kv, -1, HEADS.dim])
@@ -29,7 +29,8 @@ def _graph(from_state: bool):
     rows = b.i64([ROWS])
     whole = b.op("Identity", attend.probs(b, "q", "positions", rows), name="whole")
     heads = [
-        b.op("Identity", attend.head_probs(b, h, HEADS, "q", "positions", rows), name=f"head{h}") for h in (0, 1, 2)
+        b.op("Identity", attend.head_probs(b, f"head{h}" if head_tensor else h, HEADS, "q", "positions", rows))
+        for h in range(HEADS.kv)
     ]
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
     inputs = [
@@ -42,6 +43,7 @@ def _graph(from_state: bool):
         helper.make_tensor_value_info("active", i64, [1]),
         helper.make_tensor_value_info("scale", f, []),
         helper.make_tensor_value_info("window", i64, []),
+        *(helper.make_tensor_value_info(f"head{h}", i64, [1]) for h in range(HEADS.kv)),  # a Loop's iterations
     ]
     outputs = [helper.make_tensor_value_info(name, f, None) for name in (whole, *heads)]
     used = {name for node in b.nodes for name in node.input}
@@ -50,9 +52,10 @@ def _graph(from_state: bool):
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
+@pytest.mark.parametrize("head_tensor", [False, True], ids=["constant", "tensor"])
 @pytest.mark.parametrize("from_state", [False, True], ids=["past", "state"])
 @pytest.mark.parametrize("window", [0, 6])
-def test_each_kv_head_alone_gives_its_rows_of_the_whole_attention(from_state, window):
+def test_each_kv_head_alone_gives_its_rows_of_the_whole_attention(from_state, window, head_tensor):
     rng = np.random.default_rng(window + from_state)
     state = rng.standard_normal((1, HEADS.kv, CAPACITY, HEADS.dim)).astype(np.float32)
     # each head keeps different positions (evicted differently), one of them an empty slot
@@ -69,8 +72,8 @@ def test_each_kv_head_alone_gives_its_rows_of_the_whole_attention(from_state, wi
         "active": np.array([ACTIVE], np.int64),
         "scale": np.array(0.3, np.float32),
         "window": np.array(window, np.int64),
-    }
-    session = _graph(from_state)
+    } | {f"head{h}": np.array([h], np.int64) for h in range(HEADS.kv)}
+    session = _graph(from_state, head_tensor)
     whole, *heads = session.run(None, {i.name: feed[i.name] for i in session.get_inputs()})
     assert whole.shape == (1, HEADS.kv, HEADS.query // HEADS.kv * ROWS, ACTIVE + NEW)
     if window:  # the windows differ per head: the test would not see keys read from the wrong head's positions
