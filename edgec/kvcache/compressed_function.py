@@ -482,11 +482,14 @@ def _general(
             uses = b.op("And", uses, b.op("Not", observing))
         kernel = _Kernel(uses, _state_kernel(b, active, new, uses, fused))
 
-    def statistics(body: Body, judged: str, judged_rows: str, heads_in: str, window_only: bool) -> dict[str, str]:
+    def statistics(
+        body: Body, judged: str, judged_rows: str, heads_in: str, window_only: bool, group: str | None = None
+    ) -> dict[str, str]:
         """2. what this call's attention says about each candidate: ``judged`` [B,h,G·n,K] over ``heads_in`` [1]
-        KV heads; ``window_only``: its n rows are the observation window already (no Slice copying them)."""
+        KV heads (``group``: G where not every query head of a KV head's group is there); ``window_only``: its n
+        rows are the observation window already (no Slice copying them)."""
         stats = {}
-        shape = body.op("Concat", body.i64([0]), heads_in, group_size, judged_rows, body.i64([-1]), axis=0)
+        shape = body.op("Concat", body.i64([0]), heads_in, group or group_size, judged_rows, body.i64([-1]), axis=0)
         per_query = body.op("Reshape", judged, shape)
         if "total" in needs:
             stats["total"] = body.op("ReduceSum", per_query, body.i64([2, 3]), keepdims=0)
@@ -526,12 +529,13 @@ def _general(
             body = Body(prefix=f"{j.prefix}{kind}_")
             if kind == "observed":
                 stats = {}
-                if needs and fused.kv == 1:
+                if needs and fused.query == 1:
                     judged_q, judged_pos, judged_rows = _observation_window(body, compression)
                     judged = attend_j.in_branch(body).probs(body, judged_q, judged_pos, judged_rows)
                     stats = statistics(body, judged, judged_rows, kv_heads, window_only=True)
-                elif needs:  # a KV head at a time: each tensor over the whole prompt's keys a third as large (SmolLM2)
-                    stats = _per_head(body, needs, fused, partial(_head_statistics, compression, attend_j, statistics))
+                elif needs:  # a query head at a time: each tensor over the prompt's keys a ninth as large (SmolLM2)
+                    statistics_of = partial(_query_head_statistics, compression, attend_j, statistics)
+                    stats = _per_query_head(body, needs, fused, statistics_of)
                 result = updated_in(body, stats)
             else:
                 result = _unobserved(body, "score", new)
@@ -582,19 +586,25 @@ def _observation_window(b: Body, compression: Compression) -> tuple[str, str, st
     return queries, positions, b.shape(positions, 1)
 
 
-def _head_statistics(compression: Compression, attend: _Attend, statistics, b: Body, head: str, heads: Heads):
-    """One KV head's statistics [B,1,K] over the observation window (``_per_head``'s body)."""
+def _query_head_statistics(compression: Compression, attend: _Attend, statistics, b: Body, query: str, heads: Heads):
+    """One query head's statistics [B,1,K] over the observation window (``_per_query_head``'s body)."""
     queries, positions, rows = _observation_window(b, compression)
-    probs = attend.head_probs(b, head, heads, queries, positions, rows)
-    return statistics(b, probs, rows, b.i64([1]), window_only=True)
+    kv_head = b.op("Div", query, b.i64([heads.query // heads.kv]))
+    probs = attend.head_probs(b, kv_head, heads, queries, positions, rows, query=query)
+    return statistics(b, probs, rows, b.i64([1]), window_only=True, group=b.i64([1]))
 
 
-def _per_head(b: Body, needs: tuple[str, ...], heads: Heads, statistics_of) -> dict[str, str]:
-    """The statistics ``needs`` names, [B,Hkv,K], computed a KV head at a time in a ``Loop`` over the heads
-    (``statistics_of(body, head, heads)``: one head's, [B,1,K] each): one copy of the nodes, not one per head —
-    ONNX Runtime keeps ~5 KiB of memory per node from the moment a session opens, and the observation over
-    SmolLM2's three heads would be 78 nodes more a layer unrolled. The window and the keys are sliced inside the
-    body (ONNX Runtime's optimizer warns when a subgraph reads an outer Slice's output)."""
+# how a statistic over a KV head's group of query heads combines theirs (policies/base.py: what each one is)
+_OVER_THE_GROUP = {"total": "ReduceSum", "observed": "ReduceSum", "last": "ReduceMean"}
+
+
+def _per_query_head(b: Body, needs: tuple[str, ...], heads: Heads, statistics_of) -> dict[str, str]:
+    """The statistics ``needs`` names, [B,Hkv,K], computed a query head at a time in a ``Loop`` over the query
+    heads (``statistics_of(body, query, heads)``: one query head's, [B,1,K] each), then combined over each KV
+    head's group: every tensor over the prompt's keys is then [B,1,n,K], a ``heads.query``-th of the whole
+    window's (SmolLM2, 8K prompt: 1 MB instead of 9.2). One copy of the nodes, not one per head: ONNX Runtime
+    keeps ~5 KiB of memory per node from the moment a session opens. The window and the keys are sliced inside
+    the body (ONNX Runtime's optimizer warns when a subgraph reads an outer Slice's output)."""
     body = Body(prefix=f"{b.prefix}head_")
     iteration, carried = body.fresh("iteration"), body.fresh("condition")
     stats = statistics_of(body, body.op("Unsqueeze", iteration, body.i64([0])), heads)
@@ -611,13 +621,15 @@ def _per_head(b: Body, needs: tuple[str, ...], heads: Heads, statistics_of) -> d
         + [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs[1:]],
     )
     # a condition given (True), not left empty: onnx_ir drops a trailing empty input, and Loop requires two
-    stacked = b.op("Loop", b.i64(heads.kv), b.boolean(True), outputs=len(needs), name="per_head", body=graph)
+    stacked = b.op("Loop", b.i64(heads.query), b.boolean(True), outputs=len(needs), name="per_head", body=graph)
     stacked = [stacked] if len(needs) == 1 else stacked
-    # [Hkv,B,1,K] → [B,Hkv,K]
-    return {
-        name: b.op("Transpose", b.op("Squeeze", one, b.i64([2])), perm=[1, 0, 2])
-        for name, one in zip(needs, stacked, strict=True)
-    }
+    combined = {}
+    for name, per_query in zip(needs, stacked, strict=True):
+        per_query = b.op("Squeeze", per_query, b.i64([2]))  # [H,B,K]
+        grouped = b.op("Concat", b.i64([heads.kv, heads.query // heads.kv, -1]), b.shape(per_query, -1), axis=0)
+        over_group = b.op(_OVER_THE_GROUP[name], b.op("Reshape", per_query, grouped), b.i64([1]), keepdims=0)
+        combined[name] = b.op("Transpose", over_group, perm=[1, 0, 2])  # [Hkv,B,K] → [B,Hkv,K]
+    return combined
 
 
 @dataclass(frozen=True)
@@ -979,13 +991,19 @@ class _Attend:
         masked = b.op("Min", b.op("Reshape", scores, grouped), _infinities(b, valid))  # [B,Hkv,G,n,K]
         return b.op("Softmax", b.op("Reshape", masked, b.op("Shape", scores)), axis=-1)
 
-    def head_probs(self, b: Body, head: int | str, heads: Heads, q: str, positions: str, rows: str) -> str:
+    def head_probs(
+        self, b: Body, head: int | str, heads: Heads, q: str, positions: str, rows: str, query: str | None = None
+    ) -> str:
         """``probs`` of KV head ``head`` alone (an int, or a [1] int64 tensor: a Loop's iteration), [B,1,G·n,
-        active+T], from its group of query heads in q [B,H,n,D]: every tensor over the keys a ``heads.kv``-th as
+        active+T], from its group of query heads in q [B,H,n,D] — or from query head ``query`` ([1] int64, one of
+        that group) alone, [B,1,n,active+T]: every tensor over the keys a ``heads.kv``-th (``heads.query``-th) as
         large. The keys it reads are sliced for that head alone (from the fp32 state itself where ``sliced_to``),
         never the whole past first."""
         group = heads.query // heads.kv
-        if isinstance(head, int):
+        if query is not None:
+            first, after = head, b.op("Add", head, b.i64([1]))
+            first_query, after_query = query, b.op("Add", query, b.i64([1]))
+        elif isinstance(head, int):
             first, after = b.i64([head]), b.i64([head + 1])
             first_query, after_query = b.i64([head * group]), b.i64([(head + 1) * group])
         else:
@@ -1009,6 +1027,7 @@ class _Attend:
             rows_shape=b.i64([0, 1, -1, heads.dim]),
             sliced_to=None,
             new_k=one(self.new_k),
+            group_size=self.group_size if query is None else b.i64([1]),
         )
         return attend.probs(b, b.op("Slice", q, first_query, after_query, b.i64([1])), positions, rows)
 

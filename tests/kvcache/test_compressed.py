@@ -425,11 +425,16 @@ def test_one_branch_graphs_match_reference_in_place(dtype, policy, fused):
     writes = {"direct_writes", "paired_writes"}
     appending = {"append_chunk", "judged_chunk"}  # fused: an unobserved chunk that only appends
     state_kernel = {"kernel_attention", "fallback_attention"}  # fused, fp32: the kernel over the state or not
-    # fused, a policy reading the observation window, several KV heads: the window's attention a head at a time
-    per_head = {"observation_per_head"} if fused and policy in ("snapkv", "tova") and kv_heads > 1 else set()
-    assert branches == (fused_branches if fused and policy != "h2o" else set()) | writes | (
-        appending if fused else set()
-    ) | (state_kernel if fused and dtype == "fp32" and policy != "h2o" else set()) | per_head
+    # fused, a policy reading the observation window: the window's attention a query head at a time
+    per_head = {"observation_per_head"} if fused and policy in ("snapkv", "tova") and heads > 1 else set()
+    assert (
+        branches
+        == (fused_branches if fused and policy != "h2o" else set())
+        | writes
+        | (appending if fused else set())
+        | (state_kernel if fused and dtype == "fp32" and policy != "h2o" else set())
+        | per_head
+    )
     assert not any(node.op_type == "If" for node in decode.functions[0].node)
     assert "TopK" in op_types(general.functions[0].node)
     assert "TopK" not in op_types(decode.functions[0].node)

@@ -80,3 +80,49 @@ def test_each_kv_head_alone_gives_its_rows_of_the_whole_attention(from_state, wi
         assert len({tuple((whole[0, h] == 0).ravel()) for h in range(HEADS.kv)}) == HEADS.kv
     for h, alone in enumerate(heads):
         np.testing.assert_array_equal(alone, whole[:, h : h + 1])
+
+
+def test_each_query_head_alone_gives_its_rows_of_the_whole_attention():
+    """``head_probs`` for one query head (a Loop's iteration): its rows of its KV head's block, the keys of that
+    KV head — the block's rows are the group's query heads in order, n rows each."""
+    b = Body()
+    group = HEADS.query // HEADS.kv
+    attend = _Attend("old_k", "", "key_pos", b.i64([0, HEADS.kv, -1, HEADS.dim]), b.i64([group]), "scale", "window")
+    rows = b.i64([ROWS])
+    whole = b.op("Identity", attend.probs(b, "q", "positions", rows), name="whole")
+    alone = []
+    for query in range(HEADS.query):
+        index = b.i64([query])
+        kv_head = b.op("Div", index, b.i64([group]))
+        alone.append(b.op("Identity", attend.head_probs(b, kv_head, HEADS, "q", "positions", rows, query=index)))
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [
+        helper.make_tensor_value_info("q", f, [1, HEADS.query, ROWS, HEADS.dim]),
+        helper.make_tensor_value_info("k", f, [1, HEADS.kv, NEW, HEADS.dim]),
+        helper.make_tensor_value_info("old_k", f, [1, HEADS.kv, ACTIVE, HEADS.dim]),
+        helper.make_tensor_value_info("key_pos", i64, [1, HEADS.kv, ACTIVE + NEW]),
+        helper.make_tensor_value_info("positions", i64, [1, ROWS]),
+        helper.make_tensor_value_info("scale", f, []),
+        helper.make_tensor_value_info("window", i64, []),
+    ]
+    outputs = [helper.make_tensor_value_info(name, f, None) for name in (whole, *alone)]
+    model = helper.make_model(
+        helper.make_graph(b.nodes, "query_heads", inputs, outputs), opset_imports=[helper.make_opsetid("", 23)]
+    )
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(5)
+    slots = np.stack([rng.choice(20, ACTIVE, replace=False) for _ in range(HEADS.kv)])[None]
+    new = np.broadcast_to(np.arange(20, 20 + NEW), (1, HEADS.kv, NEW))
+    feed = {
+        "q": rng.standard_normal((1, HEADS.query, ROWS, HEADS.dim)).astype(np.float32),
+        "k": rng.standard_normal((1, HEADS.kv, NEW, HEADS.dim)).astype(np.float32),
+        "old_k": rng.standard_normal((1, HEADS.kv, ACTIVE, HEADS.dim)).astype(np.float32),
+        "key_pos": np.concatenate([slots, new], axis=2).astype(np.int64),
+        "positions": np.arange(21, 21 + ROWS, dtype=np.int64)[None],
+        "scale": np.array(0.3, np.float32),
+        "window": np.array(6, np.int64),
+    }
+    whole, *alone = session.run(None, feed)
+    for query, probs in enumerate(alone):
+        kv_head, member = divmod(query, group)
+        np.testing.assert_array_equal(probs, whole[:, kv_head : kv_head + 1, member * ROWS : (member + 1) * ROWS])
