@@ -589,8 +589,7 @@ def _observation_window(b: Body, compression: Compression) -> tuple[str, str, st
 def _query_head_statistics(compression: Compression, attend: _Attend, statistics, b: Body, query: str, heads: Heads):
     """One query head's statistics [B,1,K] over the observation window (``_per_query_head``'s body)."""
     queries, positions, rows = _observation_window(b, compression)
-    kv_head = b.op("Div", query, b.i64([heads.query // heads.kv]))
-    probs = attend.head_probs(b, kv_head, heads, queries, positions, rows, query=query)
+    probs = attend.query_head_probs(b, query, heads, queries, positions, rows)
     return statistics(b, probs, rows, b.i64([1]), window_only=True, group=b.i64([1]))
 
 
@@ -991,33 +990,21 @@ class _Attend:
         masked = b.op("Min", b.op("Reshape", scores, grouped), _infinities(b, valid))  # [B,Hkv,G,n,K]
         return b.op("Softmax", b.op("Reshape", masked, b.op("Shape", scores)), axis=-1)
 
-    def head_probs(
-        self, b: Body, head: int | str, heads: Heads, q: str, positions: str, rows: str, query: str | None = None
-    ) -> str:
-        """``probs`` of KV head ``head`` alone (an int, or a [1] int64 tensor: a Loop's iteration), [B,1,G·n,
-        active+T], from its group of query heads in q [B,H,n,D] — or from query head ``query`` ([1] int64, one of
-        that group) alone, [B,1,n,active+T]: every tensor over the keys a ``heads.kv``-th (``heads.query``-th) as
-        large. The keys it reads are sliced for that head alone (from the fp32 state itself where ``sliced_to``),
-        never the whole past first."""
-        group = heads.query // heads.kv
-        if query is not None:
-            first, after = head, b.op("Add", head, b.i64([1]))
-            first_query, after_query = query, b.op("Add", query, b.i64([1]))
-        elif isinstance(head, int):
-            first, after = b.i64([head]), b.i64([head + 1])
-            first_query, after_query = b.i64([head * group]), b.i64([(head + 1) * group])
-        else:
-            first, after = head, b.op("Add", head, b.i64([1]))
-            first_query = b.op("Mul", head, b.i64([group]))
-            after_query = b.op("Add", first_query, b.i64([group]))
+    def query_head_probs(self, b: Body, query: str, heads: Heads, q: str, positions: str, rows: str) -> str:
+        """``probs`` of query head ``query`` ([1] int64: a Loop's iteration) alone, [B,1,n,active+T], from its
+        rows of q [B,H,n,D] over its KV head's keys: every tensor over the keys a ``heads.query``-th of the whole
+        call's. The keys are sliced for that KV head alone (from the fp32 state itself where ``sliced_to``), never
+        the whole past first."""
+        kv_head = b.op("Div", query, b.i64([heads.query // heads.kv]))
+        after = b.op("Add", kv_head, b.i64([1]))
 
-        def one(name: str) -> str:
-            return b.op("Slice", name, first, after, b.i64([1]))
+        def one(name: str, first: str = kv_head, end: str = after) -> str:
+            return b.op("Slice", name, first, end, b.i64([1]))
 
         if self.sliced_to is None:
             old_k = one(self.old_k)
-        else:  # the head's filled slots, read from the state in one Slice
-            starts = b.op("Concat", first, b.i64([0]), axis=0)
+        else:  # the KV head's filled slots, read from the state in one Slice
+            starts = b.op("Concat", kv_head, b.i64([0]), axis=0)
             old_k = b.op("Slice", FORMAL["k"], starts, b.op("Concat", after, self.sliced_to, axis=0), b.i64([1, 2]))
         attend = replace(
             self,
@@ -1025,11 +1012,11 @@ class _Attend:
             old_v="",  # probabilities only: no output from this view
             key_pos=one(self.key_pos),
             rows_shape=b.i64([0, 1, -1, heads.dim]),
+            group_size=b.i64([1]),
             sliced_to=None,
             new_k=one(self.new_k),
-            group_size=self.group_size if query is None else b.i64([1]),
         )
-        return attend.probs(b, b.op("Slice", q, first_query, after_query, b.i64([1])), positions, rows)
+        return attend.probs(b, one(q, query, b.op("Add", query, b.i64([1]))), positions, rows)
 
     def in_branch(self, b: Body) -> _Attend:
         """The same attention for use inside ``b``, an If branch: fp32 slots sliced from the state there, since
