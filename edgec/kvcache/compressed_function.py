@@ -14,6 +14,7 @@ state may itself write the chunk's rows into empty slots first — ``_state_kern
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -534,8 +535,7 @@ def _general(
                     judged = attend_j.in_branch(body).probs(body, judged_q, judged_pos, judged_rows)
                     stats = statistics(body, judged, judged_rows, kv_heads, window_only=True)
                 elif needs:  # a query head at a time: each tensor over the prompt's keys a ninth as large (SmolLM2)
-                    statistics_of = partial(_query_head_statistics, compression, attend_j, statistics)
-                    stats = _per_query_head(body, needs, fused, statistics_of)
+                    stats = _per_query_head(body, compression, attend_j, statistics, needs, fused)
                 result = updated_in(body, stats)
             else:
                 result = _unobserved(body, "score", new)
@@ -586,27 +586,25 @@ def _observation_window(b: Body, compression: Compression) -> tuple[str, str, st
     return queries, positions, b.shape(positions, 1)
 
 
-def _query_head_statistics(compression: Compression, attend: _Attend, statistics, b: Body, query: str, heads: Heads):
-    """One query head's statistics [B,1,K] over the observation window (``_per_query_head``'s body)."""
-    queries, positions, rows = _observation_window(b, compression)
-    probs = attend.query_head_probs(b, query, heads, queries, positions, rows)
-    return statistics(b, probs, rows, b.i64([1]), window_only=True, group=b.i64([1]))
-
-
 # how a statistic over a KV head's group of query heads combines theirs (policies/base.py: what each one is)
 _OVER_THE_GROUP = {"total": "ReduceSum", "observed": "ReduceSum", "last": "ReduceMean"}
 
 
-def _per_query_head(b: Body, needs: tuple[str, ...], heads: Heads, statistics_of) -> dict[str, str]:
-    """The statistics ``needs`` names, [B,Hkv,K], computed a query head at a time in a ``Loop`` over the query
-    heads (``statistics_of(body, query, heads)``: one query head's, [B,1,K] each), then combined over each KV
-    head's group: every tensor over the prompt's keys is then [B,1,n,K], a ``heads.query``-th of the whole
+def _per_query_head(
+    b: Body, compression: Compression, attend: _Attend, statistics: Callable, needs: tuple[str, ...], heads: Heads
+) -> dict[str, str]:
+    """The statistics ``needs`` names, [B,Hkv,K], over the observation window, computed a query head at a time in
+    a ``Loop`` over the query heads (``statistics``: ``_general``'s, one query head's [B,1,K] each), then combined
+    over each KV head's group: every tensor over the prompt's keys is then [B,1,n,K], a ``heads.query``-th of the whole
     window's (SmolLM2, 8K prompt: 1 MB instead of 9.2). One copy of the nodes, not one per head: ONNX Runtime
     keeps ~5 KiB of memory per node from the moment a session opens. The window and the keys are sliced inside
     the body (ONNX Runtime's optimizer warns when a subgraph reads an outer Slice's output)."""
     body = Body(prefix=f"{b.prefix}head_")
     iteration, carried = body.fresh("iteration"), body.fresh("condition")
-    stats = statistics_of(body, body.op("Unsqueeze", iteration, body.i64([0])), heads)
+    query = body.op("Unsqueeze", iteration, body.i64([0]))
+    queries, positions, rows = _observation_window(body, compression)
+    probs = attend.query_head_probs(body, query, heads, queries, positions, rows)
+    stats = statistics(body, probs, rows, body.i64([1]), window_only=True, group=body.i64([1]))
     outputs = [body.op("Identity", carried, name="condition_out")]
     outputs += [body.op("Identity", stats[name], name=f"{name}_head") for name in needs]
     graph = helper.make_graph(
