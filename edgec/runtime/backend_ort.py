@@ -75,12 +75,15 @@ def session_options(
     prepack: bool = True,
     priority_order: bool = False,
     memory_pattern: bool = True,
+    record_assignment: bool = False,
 ) -> ort.SessionOptions:
     """``spin`` None: chosen by ``allow_spinning``; True/False as given (a calibration's measured choice).
     ``initializers``: weights the session uses where they lie instead of loading its own (``shared_weights``);
     ``prepack`` False: it packs no weight into a form of its own; ``priority_order``: ONNX Runtime's
     priority-based node order instead of its default (``prompt_order_by_priority``); ``memory_pattern`` False:
-    no ONNX Runtime memory pattern (``PROMPT_MEMORY_PATTERN``)."""
+    no ONNX Runtime memory pattern (``PROMPT_MEMORY_PATTERN``); ``record_assignment``: ONNX Runtime records which
+    provider took each node (``cpu_fallback_note`` reads it) — only worth it where a GPU provider comes first: the
+    record costs memory for the session's life (SmolLM2's 1,024-fp32-slot extend graph: +2 MB)."""
     options = ort.SessionOptions()
     if priority_order:
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
@@ -90,7 +93,8 @@ def session_options(
     if not prepack:
         options.add_session_config_entry(*shared_weights.PREPACKING_OFF)
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    if record_assignment:
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     spin = allow_spinning(threads) if spin is None else spin
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     if threads:
@@ -156,7 +160,8 @@ class OrtGraph:
         self.device = StateDevice.for_providers(providers, provider_options)
         if providers[0] == "CUDAExecutionProvider":
             check_cuda_can_start()
-        options = session_options(threads, spin, initializers, prepack, priority_order, memory_pattern)
+        record = providers[0] != "CPUExecutionProvider"  # what cpu_fallback_note reads
+        options = session_options(threads, spin, initializers, prepack, priority_order, memory_pattern, record)
         self.session = ort.InferenceSession(
             str(model_path), options, providers=providers, provider_options=per_provider
         )

@@ -53,3 +53,28 @@ def test_a_cpu_session_reports_nothing(tiny_bundle, caplog):
     with caplog.at_level(logging.WARNING, logger="edgec.runtime"):
         Model.load(tiny_bundle)
     assert not caplog.records
+
+
+RECORD = "session.record_ep_graph_assignment_info"
+
+
+def test_only_a_non_cpu_provider_s_session_records_where_each_node_ran(tiny_bundle, monkeypatch):
+    """The record is what ``cpu_fallback_note`` reads, and it costs memory for the session's whole life: a CPU
+    session does not keep it, one whose first provider is another does."""
+    from edgec.runtime import backend_ort
+
+    model = Model.load(tiny_bundle)
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        model._backend.graph.session.get_session_options().get_session_config_entry(RECORD)
+    opened = []
+    real = backend_ort.ort.InferenceSession
+
+    def on_the_cpu(path, options, providers, provider_options):  # no other provider here: the CPU, options kept
+        opened.append(options)
+        return real(path, options, providers=["CPUExecutionProvider"])
+
+    monkeypatch.setattr(backend_ort.ort, "InferenceSession", on_the_cpu)
+    providers = ["CANNExecutionProvider", "CPUExecutionProvider"]
+    with pytest.raises(BundleError, match="could not start"):
+        backend_ort.OrtGraph(tiny_bundle / "model.onnx", model._backend.graph.spec, providers, 1, None, exact=True)
+    assert opened[0].get_session_config_entry(RECORD) == "1"
