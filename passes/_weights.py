@@ -161,21 +161,42 @@ def shared_embedding(
     take_over(output_layer.outputs[0], logits)
     graph.remove(output_layer, safe=True)
     graph.initializers.pop(weight.name)
-    data_shape = constant(graph, f"{table.name}.rows_shape", np.array([rows, columns * bits // 8]))
-    scales_shape = constant(graph, f"{table.name}.scales_shape", np.array([rows, blocks]))
+    # without zero points of its own the gather reads MatMulNBits' codes [rows, blocks, block_size·bits/8] where they
+    # lie, each block its own quantize axis, and the rows it took are reshaped after it: a table read through a
+    # Reshape is a copy ONNX Runtime folds at load and keeps for the session's life (SmolLM2's 8-bit table: 27 MB a
+    # session). ONNX Runtime releases a pre-packed input only once no other kernel reads it, so MatMulNBits and the
+    # gather can share the codes; the scales stay a copy of their own (shared, they gave wrong results)
+    direct = zero is None
+    if direct:
+        data_shape = None
+        scales_shape = constant(graph, f"{table.name}.block_scales_shape", np.array([rows, blocks, 1]))
+    else:
+        data_shape = constant(graph, f"{table.name}.rows_shape", np.array([rows, columns * bits // 8]))
+        scales_shape = constant(graph, f"{table.name}.scales_shape", np.array([rows, blocks]))
     if bits == 8 and gather_zero is None:  # explicit: GatherBlockQuantized's 8-bit default is not MatMulNBits' 128
         tape = ir.tape.Tape(graph_like=graph)
-        gather_zero = _filled(graph, tape, f"{table.name}.gather_zero_points", (rows, blocks), 128)
+        zero_shape = (rows, blocks, 1) if direct else (rows, blocks)
+        gather_zero = _filled(graph, tape, f"{table.name}.gather_zero_points", zero_shape, 128)
         graph.insert_before(gathers[0], tape.nodes)
     for node in gathers:
         tape = ir.tape.Tape(graph_like=graph)
-        inputs = [tape.op("Reshape", [data, data_shape]), node.inputs[1], tape.op("Reshape", [scale, scales_shape])]
+        ids = node.inputs[1]
+        table_data = data if direct else tape.op("Reshape", [data, data_shape])
+        inputs = [table_data, ids, tape.op("Reshape", [scale, scales_shape])]
         rows_out = tape.op(
             "GatherBlockQuantized",
             inputs + ([gather_zero] if gather_zero is not None else []),
-            attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": block_size, "bits": bits},
+            attributes={"gather_axis": 0, "quantize_axis": 2 if direct else 1, "block_size": block_size, "bits": bits},
             domain="com.microsoft",
         )
+        if direct:  # [*ids, blocks, block_size] → [*ids, columns]
+            if ids.shape is not None:  # the ids' dimensions kept as they are (0), the rest joined
+                kept = len(ids.shape)
+                rows_shape = _shared(graph, f"shape.keep{kept}", np.array([0] * kept + [-1]))
+            else:
+                width = _shared(graph, f"row_width.{columns}", np.array([columns]))
+                rows_shape = tape.op("Concat", [tape.op("Shape", [ids]), width], attributes={"axis": 0})
+            rows_out = tape.op("Reshape", [rows_out, rows_shape])
         if offsets is not None:  # each gathered row gets its blocks' offsets: [.., blocks] → [.., columns]
             row_offsets = tape.op(
                 "Gather", [tape.op("Transpose", [offsets], attributes={"perm": [1, 0]}), node.inputs[1]]

@@ -150,9 +150,12 @@ def test_tied_embedding_is_one_shared_4_bit_table(tmp_path, tiny_tokenizer, symm
 
     graph = onnx.load(str(tmp_path / "q.edgec" / "model.onnx"), load_external_data=False).graph
     gather = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
-    reshape = next(n for n in graph.node if n.output[0] == gather.input[0])
-    # the gather reads the lm_head's packed weight (through a Reshape): one table in the file
-    assert any(n.op_type == "MatMulNBits" and n.input[1] == reshape.input[0] for n in graph.node)
+    if symmetric:  # no zero points: the gather reads the codes where they lie (a Reshape is a copy kept at load)
+        table = gather.input[0]
+    else:  # the zero points' packing is MatMulNBits' own: the gather reads the table through a Reshape
+        table = next(n for n in graph.node if n.output[0] == gather.input[0]).input[0]
+    # the gather reads the lm_head's packed weight: one table in the file
+    assert any(n.op_type == "MatMulNBits" and n.input[1] == table for n in graph.node)
     # the lm_head reads the [1, T, hidden] rows as they are: no Reshape to 2-D and back around it
     (head,) = [n for n in graph.node if "logits" in n.output]
     assert head.op_type == "MatMulNBits" and not {"Shape", "Concat"} & {n.op_type for n in graph.node}
@@ -283,3 +286,36 @@ def test_split_activations_stack_their_halves_as_the_batch_of_one(batch):
     reference = x.astype(np.float64) @ weight.astype(np.float64)
     error = np.abs(run_matmul(model, x) - reference).max() / np.abs(reference).max()
     assert error < 2e-4, error
+
+
+@pytest.mark.parametrize("embedding_bits", [4, 8])
+def test_tied_table_rows_are_the_lm_head_s_weight_rows_bit_for_bit(tmp_path, tiny_tokenizer, embedding_bits):
+    """Without zero points the gather reads MatMulNBits' codes [rows, blocks, block bytes] where they lie, each
+    block its own quantize axis, and joins the rows it took after it: every id's embedding, as ONNX Runtime's
+    kernel computes it, is the lm_head's dequantized weight row for that id, bit for bit."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from tests.conftest import make_llama_folder
+
+    folder = make_llama_folder(tmp_path / "tied", tiny_tokenizer, seed=9, tie_word_embeddings=True)
+    options = dict(weights="int4", symmetric=True, accuracy_level=1, embedding_bits=embedding_bits)
+    build(folder, tmp_path / "q.edgec", BuildSettings(context=64, prefill_chunk=16, **options))
+    model = onnx.load(str(tmp_path / "q.edgec" / "model.onnx"))  # with its weights
+    graph = model.graph
+    gather = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
+    assert gather.input[0] in {i.name for i in graph.initializer}  # the stored codes, no Reshape copy
+    (joined,) = [n for n in graph.node if gather.output[0] in n.input]
+    values = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    (scales_reshape,) = [n for n in graph.node if n.output[0] == gather.input[2]]
+    assert any(n.op_type == "MatMulNBits" and scales_reshape.input[0] in n.input for n in graph.node)  # shared
+    data, scales = values[gather.input[0]], values[scales_reshape.input[0]]
+    vocab, blocks, width = data.shape
+    codes = data if embedding_bits == 8 else np.stack([data & 15, data >> 4], -1).reshape(vocab, blocks, -1)
+    steps = (codes.astype(np.float64) - 2 ** (embedding_bits - 1)) * scales.reshape(vocab, blocks, 1)
+    expected = steps.reshape(vocab, -1).astype(np.float32)  # one rounding, as the kernel's (q - zero) · scale
+    lookup = onnx.utils.Extractor(model).extract_model(["input_ids"], [joined.output[0]])
+    session = ort.InferenceSession(lookup.SerializeToString(), providers=["CPUExecutionProvider"])
+    (rows,) = session.run(None, {"input_ids": np.arange(vocab, dtype=np.int64)[None]})
+    assert rows.shape == (1, *expected.shape) and np.array_equal(rows[0], expected)
