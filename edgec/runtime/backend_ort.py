@@ -42,10 +42,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnxruntime as ort
 
+from edgec import onnx_scan
 from edgec.errors import BundleError, GenerationError, one_line, runtime_load_error
 from edgec.kvcache.reference import select_slots
 from edgec.kvcache.spec import OBSERVE_INPUT, POSITIONS, PROTECT_INPUT, CacheSpec, StateTensor, present_name
-from edgec.runtime import shared_weights
+from edgec.runtime import page_out, shared_weights
 from edgec.runtime.observe import PromptObservation
 from edgec.runtime.prompt_room import check_prompt_room
 
@@ -750,6 +751,11 @@ def open_backend(
     if prompt_files and "decode_file" not in model and on_cpu:
         arrays = shared_weights.shared_weights(folder, [model["file"], *prompt_files], scans)
         shared = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
+    graph_files = [model[key] for key in ("file", "prefill_file", "extend_file", "decode_file") if key in model]
+    # a quantized bundle's mapped weights, once its kernels packed their own forms: the pages go back (page_out)
+    settle = None
+    if on_cpu and not shared and _packs_own_forms(folder, graph_files, scans):
+        settle = functools.partial(page_out.page_out_mapped_files, folder)
     first = OrtGraph(folder / model["file"], spec, providers, threads, provider_options, exact, spin, shared)
     if "decode_file" not in model:
         prompts = None
@@ -769,20 +775,35 @@ def open_backend(
                 memory_pattern=PROMPT_MEMORY_PATTERN or not on_cpu,
             )
             extend = prompt_graph(folder / model["extend_file"]) if "extend_file" in model else None
-            general = functools.partial(_open_general, prompt_graph, folder / model["prefill_file"])
+            general = functools.partial(_open_general, prompt_graph, folder / model["prefill_file"], settle)
             prompts = PromptGraphs(general, extend)
+        if settle is not None:
+            settle()
         backend = OrtBackend(first, vocab, prefill_chunk, prompts)
         backend.no_logits_rows = model.get("no_logits_rows") is True
         return backend
     decode = OrtGraph(folder / model["decode_file"], spec, providers, threads, provider_options, exact, spin)
+    if settle is not None:
+        settle()
     return StaticOrtBackend(first, decode, vocab, int(model["static_tokens"]))
 
 
-def _open_general(prompt_graph: Callable[[Path], OrtGraph], path: Path) -> OrtGraph:
+def _packs_own_forms(folder: Path, graph_files: list[str], scans: dict | None) -> bool:
+    """Whether any of the bundle's graphs has weights its kernels pack into forms of their own (``page_out``)."""
+    read = [(scans or {}).get(name) or onnx_scan.scan(folder / name) for name in graph_files]
+    return any(page_out.packs_own_forms(op_type for _, op_type in one.nodes) for one in read)
+
+
+def _open_general(
+    prompt_graph: Callable[[Path], OrtGraph], path: Path, settle: Callable[[], Any] | None = None
+) -> OrtGraph:
     """The general prompt-chunk graph, opened when the first call needs it (``PromptGraphs``): ONNX Runtime's
-    failure there is one line, as at load."""
+    failure there is one line, as at load. ``settle``: run once it is open (``page_out``)."""
     try:
-        return prompt_graph(path)
+        graph = prompt_graph(path)
+        if settle is not None:
+            settle()
+        return graph
     except MemoryError:
         raise GenerationError(f"no memory left to open {path.name}, the graph this call needs") from None
     except Exception as error:
