@@ -266,20 +266,9 @@ def _give_back_pages(address: int, size: int) -> bool:
     advice = getattr(mmap, "MADV_DONTNEED", None)
     low = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
     high = (address + size) // mmap.PAGESIZE * mmap.PAGESIZE
-    if advice is None or high <= low or (madvise := _madvise()) is None:
+    if advice is None or high <= low or (madvise := page_out.madvise()) is None:
         return False
     return madvise(low, high - low, advice) == 0
-
-
-@functools.cache
-def _madvise() -> Any:
-    """The C library's ``madvise``, loaded once; None where it cannot be."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise
 
 
 def _release_pages(value: ort.OrtValue) -> bool:
@@ -288,7 +277,7 @@ def _release_pages(value: ort.OrtValue) -> bool:
     pages ``MADV_DONTNEED`` would leave resident. False where the system does not offer it (nothing changes)."""
     advice = getattr(mmap, "MADV_REMOVE", None)  # Linux
     size = value.numpy().nbytes
-    if advice is None or size == 0 or (madvise := _madvise()) is None:
+    if advice is None or size == 0 or (madvise := page_out.madvise()) is None:
         return False
     return madvise(value.data_ptr(), size, advice) == 0
 
@@ -791,7 +780,7 @@ def open_backend(
 def _packs_own_forms(folder: Path, graph_files: list[str], scans: dict | None) -> bool:
     """Whether any of the bundle's graphs has weights its kernels pack into forms of their own (``page_out``)."""
     read = [(scans or {}).get(name) or onnx_scan.scan(folder / name) for name in graph_files]
-    return any(page_out.packs_own_forms(op_type for _, op_type in one.nodes) for one in read)
+    return shared_weights.packs_own_forms(read)
 
 
 def _open_general(

@@ -20,24 +20,16 @@ import functools
 import mmap
 import os
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from edgec.runtime.shared_weights import PACKED_OWN_FORM
-
 MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)  # Linux ≥ 5.4; Python names it only where its headers do
-
-
-def packs_own_forms(op_types: Iterable[str]) -> bool:
-    """Whether a graph with these node op types has weights its kernels pack into forms of their own."""
-    return any(op_type in PACKED_OWN_FORM for op_type in op_types)
 
 
 def page_out_mapped_files(folder: Path, maps: Path = Path("/proc/self/maps")) -> int:
     """Advise the system to reclaim every page of this process's mappings of files in ``folder``; returns the bytes
     of the mappings it was asked for and took (0 where it cannot: not Linux, an older kernel, no ``madvise``)."""
-    if not sys.platform.startswith("linux") or (madvise := _madvise()) is None:
+    if not sys.platform.startswith("linux") or (advise := madvise()) is None:
         return 0
     inside = str(folder.resolve()) + os.sep
     advised = 0
@@ -50,16 +42,17 @@ def page_out_mapped_files(folder: Path, maps: Path = Path("/proc/self/maps")) ->
         if len(fields) < 6 or not fields[5].startswith(inside):
             continue
         start, end = (int(bound, 16) for bound in fields[0].split("-"))
-        if madvise(start, end - start, MADV_PAGEOUT) == 0:
+        if advise(start, end - start, MADV_PAGEOUT) == 0:
             advised += end - start
     return advised
 
 
 @functools.cache
-def _madvise() -> Any:
+def madvise() -> Any:
+    """The C library's ``madvise``, loaded once; None where it cannot be."""
     try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        function = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
         return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return function

@@ -37,7 +37,7 @@ def shared_weights(folder: Path, graphs: list[str], scans: dict[str, GraphScan] 
     none are common. The locations were checked by ``onnx_scan.graph_problems`` when the bundle opened;
     ``scans``: its scans of the graph files (a graph missing there is read here)."""
     read = [(scans or {}).get(name) or scan(folder / name) for name in graphs]
-    if any(op_type in PACKED_OWN_FORM for one in read for _, op_type in one.nodes):
+    if packs_own_forms(read):
         return {}
     first, *others = (one.stored for one in read)
     files: dict[str, np.memmap] = {}
@@ -49,6 +49,11 @@ def shared_weights(folder: Path, graphs: list[str], scans: dict[str, GraphScan] 
         if array is not None:
             shared[name] = array
     return shared
+
+
+def packs_own_forms(scans: list[GraphScan]) -> bool:
+    """Whether any of these graphs has weights its kernels pack into forms of their own (``PACKED_OWN_FORM``)."""
+    return any(op_type in PACKED_OWN_FORM for one in scans for _, op_type in one.nodes)
 
 
 def _mapped(folder: Path, tensor: StoredTensor, files: dict[str, np.memmap]) -> np.ndarray | None:
