@@ -12,7 +12,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from edgec.bundle import atomic_folder
+from edgec.bundle import atomic_file, atomic_folder
 from edgec.cli import main
 from edgec.errors import BundleError
 
@@ -166,3 +166,59 @@ def test_pack_removes_what_a_killed_pack_left(tiny_bundle, tmp_path):
     stale.write_bytes(b"half an archive")
     assert invoke("pack", tiny_bundle, "-o", tmp_path / "p.tar").exit_code == 0
     assert sorted(os.listdir(tmp_path)) == ["p.tar"]
+
+
+def record_syncs_and_renames(monkeypatch) -> list[tuple[str, ...]]:
+    """("sync", path) for each ``os.fsync`` (the path its handle names) and ("rename", source, target) for each
+    ``os.replace``, in the order they happen; both still do their work."""
+    events: list[tuple[str, ...]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(handle: int) -> None:
+        events.append(("sync", os.readlink(f"/proc/self/fd/{handle}")))
+        real_fsync(handle)
+
+    def replace(source, target) -> None:
+        events.append(("rename", str(source), str(target)))
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+names_open_files = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an open file through /proc")
+
+
+@names_open_files
+@pytest.mark.parametrize("replacing", [False, True])
+def test_a_bundle_is_on_the_disk_before_its_name_is(tmp_path, monkeypatch, replacing):
+    """Every file and folder of a new bundle is synced before the rename that publishes it, and the folder it lands
+    in after: a power cut leaves the old bundle or the whole new one, and the new one's pages are clean (the
+    runtime's page-out gives back only those)."""
+    events = record_syncs_and_renames(monkeypatch)
+    out = tmp_path / "b.edgec"
+    if replacing:
+        with atomic_folder(out) as folder:
+            (folder / "manifest.json").write_text(json.dumps({"format_version": 1, "edgec_version": "0", "files": {}}))
+        events.clear()
+    with atomic_folder(out, overwrite=True) as folder:
+        (folder / "model.onnx.data").write_bytes(b"w" * 100_000)
+        (folder / "plugins").mkdir()
+        (folder / "plugins" / "op.json").write_text("{}")
+    published = next(i for i, event in enumerate(events) if event[0] == "rename" and event[2] == str(out))
+    temporary = events[published][1]
+    synced_before = {event[1] for event in events[:published] if event[0] == "sync"}
+    expected = {temporary, f"{temporary}/model.onnx.data", f"{temporary}/plugins", f"{temporary}/plugins/op.json"}
+    assert expected <= synced_before, expected - synced_before
+    assert ("sync", str(tmp_path)) in events[published + 1 :]
+    assert (out / "plugins" / "op.json").read_text() == "{}"
+
+
+@names_open_files
+def test_an_archive_is_on_the_disk_before_its_name_is(tmp_path, monkeypatch):
+    events = record_syncs_and_renames(monkeypatch)
+    out = tmp_path / "b.tar"
+    with atomic_file(out) as temporary:
+        temporary.write_bytes(b"archive")
+    assert events == [("sync", str(temporary)), ("rename", str(temporary), str(out)), ("sync", str(tmp_path))]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from edgec.build import BuildSettings, build
+from edgec.bundle import atomic_folder
 from edgec.runtime import Model, backend_ort, page_out
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise: Linux")
@@ -32,13 +33,14 @@ def resident_kib(inside: Path) -> int:
 
 def test_mapped_files_in_the_folder_give_their_pages_back_and_read_the_same(tmp_path):
     inside, outside = tmp_path / "bundle", tmp_path / "elsewhere"
-    inside.mkdir(), outside.mkdir()
     data = np.random.default_rng(0).integers(0, 255, 4 << 20, dtype=np.uint8)
-    for folder in (inside, outside):
-        with open(folder / "model.onnx.data", "wb") as file:  # written and on disk, as a bundle's file is
-            data.tofile(file)
-            file.flush()
-            os.fsync(file.fileno())
+    with atomic_folder(inside) as folder:  # the builds' writer: a page not yet on the disk would not go back
+        data.tofile(folder / "model.onnx.data")
+    outside.mkdir()
+    with open(outside / "model.onnx.data", "wb") as file:
+        data.tofile(file)
+        file.flush()
+        os.fsync(file.fileno())
     with open(inside / "model.onnx.data", "rb") as one, open(outside / "model.onnx.data", "rb") as other:
         mapped = mmap.mmap(one.fileno(), 0, access=mmap.ACCESS_COPY)  # private and writable, as ONNX Runtime maps
         kept = mmap.mmap(other.fileno(), 0, access=mmap.ACCESS_READ)
