@@ -393,14 +393,32 @@ def atomic_folder(
             _move_into_place(temporary, destination)
             _sync_folder(destination.parent)
         except OSError as error:  # disk full, permissions, ...: a user's problem, not a bug
+            reason = write_failure(error, destination.parent)  # while the temporary folder still fills the disk
             shutil.rmtree(temporary, ignore_errors=True)
             where = f" ({error.filename})" if error.filename else ""
-            raise BundleError(
-                f"writing {destination} failed: {error.strerror or error}{where}; nothing was written"
-            ) from None
+            raise BundleError(f"writing {destination} failed: {reason}{where}; nothing was written") from None
         except BaseException:
             shutil.rmtree(temporary, ignore_errors=True)
             raise
+
+
+# below this much free space, a write that failed without saying why failed because the disk is full
+NEARLY_FULL_BYTES = 64 << 20
+
+
+def write_failure(error: OSError, folder: Path) -> str:
+    """Why writing a bundle or archive in ``folder`` failed, as its user should read it: the system's reason, and
+    where the writer gave none and the disk has almost nothing left, that the disk is full (numpy's ``tofile``, which
+    writes the weights, says only "problem writing element N to file")."""
+    reason = error.strerror or str(error)
+    if error.errno is None:
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            return reason
+        if free < NEARLY_FULL_BYTES:
+            return f"the disk is full ({free >> 20} MB free at {folder}; {reason})"
+    return reason
 
 
 def sync_to_disk(folder: Path) -> None:
@@ -477,8 +495,9 @@ def atomic_file(destination: str | Path) -> Iterator[Path]:
             os.replace(temporary, destination)
             _sync_folder(destination.parent)
         except OSError as error:
+            reason = write_failure(error, destination.parent)
             temporary.unlink(missing_ok=True)
-            raise BundleError(f"cannot write {destination}: {error.strerror or error}; nothing was written") from None
+            raise BundleError(f"cannot write {destination}: {reason}; nothing was written") from None
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from edgec.build import STAGES
 from edgec.cli import main
+from edgec.errors import BundleError
 
 KILL_AT_STAGE = """
 import os, signal, sys
@@ -76,6 +77,27 @@ def test_disk_full_is_one_clear_line(tiny_llama, tmp_path, monkeypatch):
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "No space left on device" in lines[0] and "nothing was written" in lines[0]
+    assert not out.exists() and not list(tmp_path.glob(".b.edgec.tmp-*"))
+
+
+@pytest.mark.parametrize("free_mb", [3, 5000])
+def test_a_write_that_fails_without_a_reason_on_a_full_disk_says_so(tmp_path, monkeypatch, free_mb):
+    """numpy's ``tofile`` (the weights' writer) fails on a full disk with no errno: "problem writing element N to
+    file" (the CI's slow tier once). Nearly nothing free: the line says the disk is full; room left: it claims
+    nothing it does not know."""
+    import shutil
+
+    from edgec import bundle
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(bundle.shutil, "disk_usage", lambda path: usage._replace(free=free_mb << 20))
+    out = tmp_path / "b.edgec"
+    with pytest.raises(BundleError) as raised:
+        with bundle.atomic_folder(out):
+            raise OSError("problem writing element 719872 to file")
+    message = str(raised.value)
+    assert "problem writing element 719872 to file" in message and "nothing was written" in message
+    assert ("the disk is full (3 MB free" in message) == (free_mb == 3), message
     assert not out.exists() and not list(tmp_path.glob(".b.edgec.tmp-*"))
 
 
