@@ -194,8 +194,8 @@ names_open_files = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason
 @pytest.mark.parametrize("replacing", [False, True])
 def test_a_bundle_is_on_the_disk_before_its_name_is(tmp_path, monkeypatch, replacing):
     """Every file and folder of a new bundle is synced before the rename that publishes it, and the folder it lands
-    in after: a power cut leaves the old bundle or the whole new one, and the new one's pages are clean (the
-    runtime's page-out gives back only those)."""
+    in after: a power cut leaves the old bundle or the whole new one, and the new one's pages are clean (a dirty
+    one may stay mapped after the runtime's page-out)."""
     events = record_syncs_and_renames(monkeypatch)
     out = tmp_path / "b.edgec"
     if replacing:
