@@ -170,7 +170,7 @@ def test_pack_removes_what_a_killed_pack_left(tiny_bundle, tmp_path):
 
 def record_syncs_and_renames(monkeypatch) -> list[tuple[str, ...]]:
     """("sync", path) for each ``os.fsync`` (the path its handle names) and ("rename", source, target) for each
-    ``os.replace``, in the order they happen; both still do their work."""
+    ``os.replace``, in the order they happen, every path resolved (as /proc names files); both still do their work."""
     events: list[tuple[str, ...]] = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -179,7 +179,7 @@ def record_syncs_and_renames(monkeypatch) -> list[tuple[str, ...]]:
         real_fsync(handle)
 
     def replace(source, target) -> None:
-        events.append(("rename", str(source), str(target)))
+        events.append(("rename", os.path.realpath(source), os.path.realpath(target)))
         real_replace(source, target)
 
     monkeypatch.setattr(os, "fsync", fsync)
@@ -197,6 +197,7 @@ def test_a_bundle_is_on_the_disk_before_its_name_is(tmp_path, monkeypatch, repla
     in after: a power cut leaves the old bundle or the whole new one, and the new one's pages are clean (a dirty
     one may stay mapped after the runtime's page-out)."""
     events = record_syncs_and_renames(monkeypatch)
+    tmp_path = tmp_path.resolve()
     out = tmp_path / "b.edgec"
     if replacing:
         with atomic_folder(out) as folder:
@@ -218,6 +219,7 @@ def test_a_bundle_is_on_the_disk_before_its_name_is(tmp_path, monkeypatch, repla
 @names_open_files
 def test_an_archive_is_on_the_disk_before_its_name_is(tmp_path, monkeypatch):
     events = record_syncs_and_renames(monkeypatch)
+    tmp_path = tmp_path.resolve()
     out = tmp_path / "b.tar"
     with atomic_file(out) as temporary:
         temporary.write_bytes(b"archive")
