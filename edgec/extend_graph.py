@@ -66,6 +66,12 @@ def write_extend_graph(folder: Path, prefill_file: str, spec: CacheSpec) -> dict
             f"{prefill_file}: found {taken} of the {2 * layers} extending choices its {layers} compressed layers "
             "should have (compressed_function.EXTEND_CHOICES); the op's body changed"
         )
+    judged = take_judged_branches(model.graph)
+    if judged != layers:
+        raise BuildError(
+            f"{prefill_file}: found {judged} of the {layers} choices between appending and the whole call "
+            "(compressed_function.APPEND_OR_JUDGE) its compressed layers should have; the op's body changed"
+        )
     proven = assume_extending(model.graph)
     if proven != layers:
         raise BuildError(
@@ -86,29 +92,59 @@ def keep_extending_branches(graph: onnx.GraphProto) -> int:
     """Replace, in ``graph`` and every subgraph, each ``If`` choosing between a pair of
     ``compressed_function.EXTEND_CHOICES`` by its first branch's nodes (its outputs passed on by Identity nodes
     under the If's output names); returns how many."""
+    from edgec.kvcache.compressed_function import EXTEND_CHOICES
+
+    return _inline_branches(graph, {pair: "then_branch" for pair in EXTEND_CHOICES})
+
+
+def take_judged_branches(graph: onnx.GraphProto) -> int:
+    """Replace, in ``graph``, each compressed layer's ``If`` between a call that only appends and the whole call
+    (``compressed_function.APPEND_OR_JUDGE``, ``_appending``) by the whole call's branch; returns how many.
+
+    Exact for every call the runtime sends here, once ``keep_extending_branches`` has made the whole call's two
+    choices: the append branch is taken only for an unobserved call, and there the whole call gives the same
+    values. Its output is the kernel's (the same node's); its rows go to the same slots (the direct write); and
+    its scores are the slots' own with the new tokens' 0 or +inf (protected) after them. Its one rewrite of
+    them, +inf where a filled slot already scores +inf, changes no value. A call the If would send to the whole
+    call anyway (it observes, or a filled slot scores -inf or NaN) runs what it ran before. What only the
+    append branch and the If's condition read goes (~50 nodes a layer on SmolLM2, with the judging's pairing
+    keys left unread by the direct write): ONNX Runtime holds every node of both branches from the moment a
+    session opens."""
+    from edgec.kvcache.compressed_function import APPEND_OR_JUDGE
+
+    return _inline_branches(graph, {APPEND_OR_JUDGE: "else_branch"}, nested=False)
+
+
+def _inline_branches(graph: onnx.GraphProto, choices: dict[tuple[str, str], str], nested: bool = True) -> int:
+    """Replace each ``If`` whose (then, else) branches' graph names are a key of ``choices`` by the nodes of the
+    branch it names (its outputs passed on by Identity nodes under the If's output names), in ``graph`` and, with
+    ``nested``, every subgraph (the kept branches' too); returns how many."""
     import onnx
     from onnx import helper
-
-    from edgec.kvcache.compressed_function import EXTEND_CHOICES
 
     taken = 0
     nodes = []
     for node in graph.node:
         branches = {attribute.name: attribute.g for attribute in node.attribute}
-        if node.op_type == "If" and (branches["then_branch"].name, branches["else_branch"].name) in EXTEND_CHOICES:
-            kept = branches["then_branch"]
-            taken += keep_extending_branches(kept)
+        choice = None
+        if node.op_type == "If":
+            choice = choices.get((branches["then_branch"].name, branches["else_branch"].name))
+        if choice is not None:
+            kept = branches[choice]
+            if nested:
+                taken += _inline_branches(kept, choices)
             graph.initializer.extend(kept.initializer)
             nodes.extend(kept.node)
             nodes.extend(
-                helper.make_node("Identity", [inner.name], [outer], name=f"{outer}_extending")
+                helper.make_node("Identity", [inner.name], [outer], name=f"{outer}_{kept.name}")
                 for inner, outer in zip(kept.output, node.output, strict=True)
             )
             taken += 1
             continue
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                taken += keep_extending_branches(attribute.g)
+        if nested:
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    taken += _inline_branches(attribute.g, choices)
         nodes.append(node)
     del graph.node[:]
     graph.node.extend(nodes)

@@ -393,6 +393,8 @@ def _branch_owners(graph: Any) -> dict[int, tuple[Any, str]]:
 def _appending_switch(owners: dict[int, tuple[Any, str]], values: tuple[Any, ...]) -> Any:
     """The main graph's If (``compressed_function._appending``) whose branches hold every subgraph use of
     ``values``, when its then-branch is the appending one; else None."""
+    from edgec.kvcache.compressed_function import APPEND_OR_JUDGE
+
     switches = {
         id(owners[id(use.node.graph)][0]): owners[id(use.node.graph)][0]
         for value in values
@@ -402,7 +404,7 @@ def _appending_switch(owners: dict[int, tuple[Any, str]], values: tuple[Any, ...
     if len(switches) != 1:
         return None
     switch = next(iter(switches.values()))
-    return switch if switch.attributes["then_branch"].value.name == "append_chunk" else None
+    return switch if switch.attributes["then_branch"].value.name == APPEND_OR_JUDGE[0] else None
 
 
 def _producers_between(source: Any, values: tuple[Any, ...]) -> list[Any] | None:

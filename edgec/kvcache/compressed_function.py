@@ -644,6 +644,9 @@ STATE_KERNEL = "state_kernel"  # the kernel's node name (prefill_graph finds it 
 # the kernel's output (not the fallback attention) and the direct write (not the pairing). The extend graph
 # (edgec/extend_graph.py) keeps the first of each pair alone
 EXTEND_CHOICES = {("kernel_attention", "fallback_attention"), ("direct_writes", "paired_writes")}
+# the If (``_appending``) between an unobserved call that only appends and the whole call, by its branches' graphs'
+# names: the extend graph keeps the second alone, which with the first two choices made gives the first's answer
+APPEND_OR_JUDGE = ("append_chunk", "judged_chunk")
 # the node testing, on fp32 slots, that a call extends the slots and fits after them (the kernel's ``uses``), by
 # name: the runtime proves both before it runs a call on the extend graph, which holds a constant True there
 EXTENDS_AND_FITS = "extends_and_fits"

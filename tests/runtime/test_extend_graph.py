@@ -14,8 +14,14 @@ import pytest
 
 from edgec.build import build
 from edgec.errors import BuildError, BundleError
-from edgec.extend_graph import EXTEND_FILE, extend_graph_applies, keep_extending_branches, write_extend_graph
-from edgec.kvcache.compressed_function import EXTEND_CHOICES, EXTENDS_AND_FITS
+from edgec.extend_graph import (
+    EXTEND_FILE,
+    extend_graph_applies,
+    keep_extending_branches,
+    take_judged_branches,
+    write_extend_graph,
+)
+from edgec.kvcache.compressed_function import APPEND_OR_JUDGE, EXTEND_CHOICES, EXTENDS_AND_FITS
 from edgec.runtime import Model
 from edgec.runtime.backend_ort import OrtCacheState, PromptGraphs
 from tests.conftest import build_settings, pydoc_text
@@ -57,7 +63,7 @@ def test_the_bundle_lists_an_extend_graph_without_the_branches_an_extending_call
     general = onnx.load(fp32_slots / "prefill.onnx", load_external_data=False).graph
     extend = onnx.load(fp32_slots / EXTEND_FILE, load_external_data=False).graph
     layers = manifest["model"]["num_layers"]
-    for kept, left in EXTEND_CHOICES:
+    for kept, left in (*EXTEND_CHOICES, APPEND_OR_JUDGE):
         assert {kept, left} <= _branch_names(general)
         assert left not in _branch_names(extend) and kept not in _branch_names(extend)  # inlined: no If left
     assert _count_nodes(extend) < _count_nodes(general)
@@ -67,6 +73,7 @@ def test_the_bundle_lists_an_extend_graph_without_the_branches_an_extending_call
     assert {t.name for t in extend.initializer} <= {t.name for t in general.initializer}
     again = onnx.load(fp32_slots / "prefill.onnx", load_external_data=False)
     assert keep_extending_branches(again.graph) == 2 * layers
+    assert take_judged_branches(again.graph) == layers
 
 
 def _named(graph: onnx.GraphProto, part: str) -> list[onnx.NodeProto]:
@@ -102,6 +109,53 @@ def test_a_body_without_the_named_test_is_a_build_error(fp32_slots, tmp_path):
     with pytest.raises(BuildError, match=r"found \d+ of the \d+ tests that a call extends the slots"):
         write_extend_graph(folder, "prefill.onnx", spec)
     assert not (folder / EXTEND_FILE).exists()
+
+
+def test_a_body_without_the_choice_to_append_is_a_build_error(fp32_slots, tmp_path):
+    spec = Model.load(fp32_slots).cache_spec
+    folder = tmp_path / "bundle"
+    folder.mkdir()
+    model = onnx.load(fp32_slots / "prefill.onnx", load_external_data=False)
+    switch = next(node for node in model.graph.node if node.op_type == "If" and "judged_chunk" in str(node.attribute))
+    next(attribute for attribute in switch.attribute if attribute.name == "else_branch").g.name = "renamed"
+    onnx.save(model, folder / "prefill.onnx")
+    with pytest.raises(BuildError, match=r"found \d+ of the \d+ choices between appending and the whole call"):
+        write_extend_graph(folder, "prefill.onnx", spec)
+    assert not (folder / EXTEND_FILE).exists()
+
+
+@pytest.mark.parametrize("observes", [False, True])
+def test_every_extending_call_takes_the_whole_call_s_branch_with_the_appending_values(
+    fp32_slots, ids, monkeypatch, observes
+):
+    """The extend graph has no If between appending and the whole call (``take_judged_branches``): an unobserved
+    call, which the general graph appends, must leave the same values there too — every score included, which an
+    `end` prompt's observing last chunk would replace before anything read it. Protected tokens (+inf) and a
+    state whose slots already hold some."""
+    protect = np.zeros(36, bool)
+    protect[[2, 7, 25]] = True
+
+    def calls(extends: bool):
+        model = Model.load(fp32_slots)
+        state = model._backend.open_state()
+        monkeypatch.setattr(state._observation, "observes", lambda newest: observes)
+        with monkeypatch.context() as patched:
+            if not extends:
+                patched.setattr(OrtCacheState, "_extends", lambda self, positions: False)
+            rows = [state.run(ids[:20], 0, False, protect[:20]), state.run(ids[20:36], 20, False, protect[20:])]
+        return np.concatenate(rows), state.arrays(), model._backend.prompts.opened_general
+
+    seen = _record(monkeypatch)
+    logits, arrays, opened = calls(extends=True)
+    assert seen == ["extend"] * 2 and not opened
+    general_logits, general_arrays, _ = calls(extends=False)
+    assert seen[2:] == ["general"] * 2
+    np.testing.assert_array_equal(logits, general_logits)
+    assert set(arrays) == set(general_arrays)
+    scores = [value for name, value in arrays.items() if name.endswith("score")]
+    assert scores and all(np.isposinf(score).any() for score in scores)  # the protected tokens' +inf are there
+    for name, value in arrays.items():
+        np.testing.assert_array_equal(value, general_arrays[name], err_msg=name)
 
 
 def test_which_caches_get_one(fp32_slots):
