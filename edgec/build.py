@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -13,10 +14,10 @@ import numpy as np
 
 from edgec import __version__
 from edgec.bundle import atomic_folder, write_manifest, write_npz
-from edgec.errors import BuildError, BuildSettingsError
+from edgec.errors import BuildError, BuildSettingsError, BundleError
 from edgec.kvcache.compression import Compression
 from edgec.pipeline import Choices, passes_for
-from edgec.plan import Settings, with_memory
+from edgec.plan import WEIGHT_BYTES, Settings, with_memory
 from edgec.shape import ModelShape
 from edgec.targets import ORT_MIN_VERSIONS, ORT_PROVIDERS, Target, load_target
 
@@ -271,6 +272,36 @@ def check_fits(plan: Plan, kv_dtype: str, split_activations: bool = False) -> No
     memory_plan(plan.shape, plan.target, memory_settings(plan, kv_dtype, split_activations), fixed=everything)
 
 
+def weights_on_disk(plan: Plan) -> int:
+    """Bytes a bundle's weights take at least: the planner's bytes per parameter for its weight dtype, one copy
+    (every graph of a bundle reads one data file). A lower bound on the whole bundle: SmolLM2-135M from its GGUF,
+    int4 78 MB of 104 (its Q8_0 table is kept at 8 bits), fp32 540 of 545."""
+    return int(plan.shape.parameters() * WEIGHT_BYTES[plan.weights])
+
+
+def check_disk_room(output: Path, plan: Plan) -> None:
+    """Refuse a build whose weights alone cannot fit where its bundle is written, before a weight is read: a
+    build writes its bundle in a temporary folder beside ``output`` and renames it, so the free space there is
+    what it has (a bundle it replaces, ``--overwrite``, stays until the rename). A build that passes may still find
+    the disk full at its end (``bundle.write_failure`` says so in one line)."""
+    import shutil
+
+    folder = Path(os.path.abspath(output)).parent
+    while not folder.is_dir() and folder != folder.parent:  # a missing folder is atomic_folder's to report
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    needed = weights_on_disk(plan)
+    if needed > free:
+        raise BundleError(
+            f"{folder} has {free / 1e6:,.0f} MB free and this bundle's weights alone take {needed / 1e6:,.0f} MB "
+            f"({plan.shape.parameters() / 1e6:,.0f} M parameters in {plan.weights}): free some space or write it "
+            "elsewhere (-o); nothing was written"
+        )
+
+
 def build(
     model_path: str | Path,
     output: str | Path,
@@ -288,6 +319,7 @@ def build(
     # fail fast, from the config alone, before the output folder is touched or weights are read
     source = inspect_source(model_path, settings.allow_pickle)
     plan = plan_build(settings, source["shape"], source["shape"].max_context, source["kind"])
+    check_disk_room(output, plan)
     with atomic_folder(output, settings.overwrite, seal=seal) as folder:
         return _build_into(Path(model_path), folder, settings, plan, progress)
 

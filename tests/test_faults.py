@@ -102,6 +102,38 @@ def test_a_write_that_fails_without_a_reason_on_a_full_disk_says_so(tmp_path, mo
     assert not out.exists() and not list(tmp_path.glob(".b.edgec.tmp-*"))
 
 
+@pytest.mark.parametrize("short_by", [1, 0])
+def test_a_build_whose_weights_cannot_fit_is_refused_before_it_reads_them(tiny_llama, tmp_path, monkeypatch, short_by):
+    """Free space one byte short of the weights' lower bound: one line, before any weight is read, nothing
+    written. Exactly enough: the build goes on, and its bundle is at least that large (the bound holds)."""
+    import shutil
+
+    from edgec import load
+    from edgec.build import BuildSettings, plan_build, weights_on_disk
+
+    shape = load.inspect_source(tiny_llama, False)["shape"]
+    needed = weights_on_disk(plan_build(BuildSettings(context=64), shape, shape.max_context))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=needed - short_by))
+    if short_by:
+
+        def no_reading(*args, **kwargs):
+            raise AssertionError("weights read before the disk was checked")
+
+        monkeypatch.setattr(load, "load_model", no_reading)
+    out = tmp_path / "b.edgec"
+    result = CliRunner().invoke(main, ["build", str(tiny_llama), "-o", str(out), "--context", "64"])
+    if short_by:
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"{tmp_path} has " in lines[0], lines
+        assert f"weights alone take {needed / 1e6:,.0f} MB" in lines[0] and "nothing was written" in lines[0]
+        assert not out.exists() and not list(tmp_path.glob(".b.edgec.tmp-*"))
+    else:
+        assert result.exit_code == 0, result.output
+        assert sum(path.stat().st_size for path in out.rglob("*") if path.is_file()) >= needed
+
+
 @pytest.mark.slow  # two full builds
 def test_two_builds_are_byte_identical(tiny_llama, tmp_path, monkeypatch):
     """One build in this process, one in a fresh one: the same bytes, and mtimes from SOURCE_DATE_EPOCH."""

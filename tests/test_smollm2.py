@@ -13,7 +13,8 @@ import onnx
 import pytest
 import torch
 
-from edgec.build import BuildSettings, build
+from edgec.build import BuildSettings, build, plan_build, weights_on_disk
+from edgec.load import inspect_source
 from edgec.runtime import Model
 from tests.conftest import pydoc_text
 
@@ -134,6 +135,13 @@ def test_default_int4_answers_as_the_fp32_bundle(smollm2_path, bundles, prompts,
     out = tmp_path_factory.mktemp("smollm2-int4-default") / "smol.int4.edgec"
     result = build(smollm2_path, out, BuildSettings(target="cpu", context=2048, weights="int4"))
     assert result.manifest["build_settings"]["split_activations"] is True
+    # the pre-flight disk check's bound (edgec.build.weights_on_disk) lies below both real bundles
+    for weights, folder in (("int4", out), ("fp32", bundles["cpu"])):
+        settings = BuildSettings(target="cpu", context=2048, weights=weights)
+        shape = inspect_source(smollm2_path, False)["shape"]
+        needed = weights_on_disk(plan_build(settings, shape, shape.max_context, "gguf"))
+        size = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+        assert 0.7 * size < needed <= size, (weights, needed, size)
     fp32, quantized = Model.load(bundles["cpu"]), Model.load(out)
     for ids in prompts:
         ids = ids[-1000:]
