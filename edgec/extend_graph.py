@@ -4,7 +4,9 @@ of their ``If``: the attention is the kernel's over the state (not the fallback 
 the chunk's rows go straight into the empty slots after the filled ones (not paired with the weakest slots). The
 branches left out are never run by such a call (nor are the per-layer tests that choose them, ~24 nodes each,
 which become a constant True), but ONNX Runtime holds every node of both branches in memory
-from the moment a session opens (~5 KiB a node): SmolLM2 over 1,024 fp32 slots, 30 layers × 183 nodes.
+from the moment a session opens (~5 KiB a node): SmolLM2 over 1,024 fp32 slots, 30 layers × 183 nodes. With those
+choices made, the layer's third ``If`` — an unobserved call only appends, else the whole call — gives the same
+values either way, so the whole call's branch stays alone (``take_judged_branches``: 49 nodes a layer fewer).
 
 A call only extends the slots when every slot up to the filled ones is filled, its positions come after every
 cached one and increase, and its tokens fit the slots after them — every chunk of a prompt read from an empty
