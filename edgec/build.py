@@ -289,15 +289,20 @@ def check_disk_room(output: Path, plan: Plan) -> None:
     folder = Path(os.path.abspath(output)).parent
     while not folder.is_dir() and folder != folder.parent:  # a missing folder is atomic_folder's to report
         folder = folder.parent
+    if not os.access(folder, os.W_OK | os.X_OK):  # so is one it cannot write in
+        return
     try:
-        free = shutil.disk_usage(folder).free
+        usage = shutil.disk_usage(folder)
     except OSError:
         return
+    if usage.total == 0:  # no disk behind it (sysfs, procfs: root may pass os.access, creating fails)
+        return
     needed = weights_on_disk(plan)
-    if needed > free:
+    if needed > usage.free:
+        megabytes = lambda n: f"{n / 1e6:,.{1 if n < 10e6 else 0}f} MB"  # noqa: E731
         raise BundleError(
-            f"{folder} has {free / 1e6:,.0f} MB free and this bundle's weights alone take {needed / 1e6:,.0f} MB "
-            f"({plan.shape.parameters() / 1e6:,.0f} M parameters in {plan.weights}): free some space or write it "
+            f"{folder} has {megabytes(usage.free)} free and this bundle's weights alone take {megabytes(needed)} "
+            f"({plan.shape.parameters() / 1e6:,.1f} M parameters in {plan.weights}): free some space or write it "
             "elsewhere (-o); nothing was written"
         )
 

@@ -127,7 +127,7 @@ def test_a_build_whose_weights_cannot_fit_is_refused_before_it_reads_them(tiny_l
         assert result.exit_code == 2, result.output
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and f"{tmp_path} has " in lines[0], lines
-        assert f"weights alone take {needed / 1e6:,.0f} MB" in lines[0] and "nothing was written" in lines[0]
+        assert f"weights alone take {needed / 1e6:,.1f} MB" in lines[0] and "nothing was written" in lines[0]
         assert not out.exists() and not list(tmp_path.glob(".b.edgec.tmp-*"))
     else:
         assert result.exit_code == 0, result.output
