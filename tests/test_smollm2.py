@@ -136,9 +136,9 @@ def test_default_int4_answers_as_the_fp32_bundle(smollm2_path, bundles, prompts,
     result = build(smollm2_path, out, BuildSettings(target="cpu", context=2048, weights="int4"))
     assert result.manifest["build_settings"]["split_activations"] is True
     # the pre-flight disk check's bound (edgec.build.weights_on_disk) lies below both real bundles
+    shape = inspect_source(smollm2_path, False)["shape"]
     for weights, folder in (("int4", out), ("fp32", bundles["cpu"])):
         settings = BuildSettings(target="cpu", context=2048, weights=weights)
-        shape = inspect_source(smollm2_path, False)["shape"]
         needed = weights_on_disk(plan_build(settings, shape, shape.max_context, "gguf"))
         size = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
         assert 0.7 * size < needed <= size, (weights, needed, size)
