@@ -250,8 +250,8 @@ def compare_rows(results: dict[str, tuple[list[dict], float, dict | None]]) -> l
         row = {
             "engine": SHOWN.get(label, label),
             "passkeys": f"{sum(r['success'] for r in records)}/{len(records)}",
-            # three significant digits: a tiny bundle's median prompt can take under 5 ms, which 2 decimals make 0
-            "prefill_s": float(f"{statistics.median(r['prefill_s'] for r in records):.3g}") if records else None,
+            # 4 decimals, as each trial's: a tiny bundle's median prompt can take under 5 ms, which 2 made 0
+            "prefill_s": round(statistics.median(r["prefill_s"] for r in records), 4) if records else None,
             "peak_rss_gb": peak,
         }
         for name, reference in references.items():
