@@ -1,6 +1,6 @@
 """A stand-in for ``cuda.bindings.driver`` (cuda-python): the calls a TensorRT plugin makes to load PTX and launch
 a kernel, with the checks a real driver makes, and a launch that runs the kernel the PTX was compiled from in
-Triton's interpreter over the fake device memory (tests.fakes.cudart: device pointers are host buffers).
+Triton's interpreter over the fake device memory (tests.fakes.cudart: device allocations are host buffers).
 
 - ``cuInit`` fails without a device; every other call fails before it (CUDA_ERROR_NOT_INITIALIZED);
 - ``cuModuleLoadData`` takes PTX as a NUL-terminated string (the driver reads a C string) for a compute
@@ -139,9 +139,8 @@ def _device_view(pointer: int, dtype):
     """A torch tensor over the device allocation that holds ``pointer``, from it to the allocation's end."""
     import torch
 
-    buffer = cudart.allocation_of(pointer, 1)
-    if buffer is None:
+    tail = cudart.device_bytes(pointer)
+    if tail is None:
         return None
-    offset = pointer - buffer.ctypes.data
-    size = (buffer.nbytes - offset) // np.dtype(dtype).itemsize
-    return torch.from_numpy(buffer[offset : offset + size * np.dtype(dtype).itemsize].view(dtype))
+    size = tail.nbytes // np.dtype(dtype).itemsize
+    return torch.from_numpy(tail[: size * np.dtype(dtype).itemsize].view(dtype))

@@ -2,8 +2,11 @@
 
 Every call has the real binding's shape — a tuple whose first item is a ``cudaError_t`` — and the checks a real
 driver makes: a pointer must come from ``cudaMalloc`` and a copy must fit inside its allocation (an overflow that
-would corrupt GPU memory is an error here), a freed pointer is gone, a stream must exist. A "device pointer" is the
-address of a numpy buffer, so the fake TensorRT-RTX engine reads and writes the very bytes the backend copied.
+would corrupt GPU memory is an error here), a freed pointer is gone, a stream must exist. A device allocation is a
+numpy buffer (``allocation_of``/``device_bytes`` give the fake engine and kernels the very bytes the backend copied);
+its "device pointer" is an address of a device space of its own that is never handed out twice, not even after
+``reset``. So a pointer kept past a free or a reset (a finalizer of an earlier test's state running late) is an
+invalid pointer, as on a real device, never another allocation that numpy happened to place at the same address.
 ``DEVICES`` sets what the machine has (0 devices: the driver reports cudaErrorNoDevice, as on a machine without
 a GPU).
 """
@@ -48,6 +51,8 @@ ALLOCATIONS: dict[int, np.ndarray] = {}  # device pointer → its bytes
 STREAMS: set[int] = set()
 PEAK = [0]  # the most bytes allocated at once since the last reset (``reset_peak``)
 _next_stream = [1]
+_ALIGNMENT = 256  # cudaMalloc's
+_next_pointer = [1 << 52]  # above any host address, so a device pointer never reads as a host one
 
 
 def reset(devices: list[cudaDeviceProp] | None = None, driver: int = 13000) -> None:
@@ -107,7 +112,8 @@ def cudaMalloc(size: int):  # noqa: N802
     if used_bytes() + size > DEVICES[0].totalGlobalMem:  # the device is full, as a real one would be
         return (cudaError_t.cudaErrorMemoryAllocation, 0)
     buffer = np.zeros(size, np.uint8)
-    pointer = buffer.ctypes.data
+    pointer = _next_pointer[0]
+    _next_pointer[0] += -(-size // _ALIGNMENT) * _ALIGNMENT + _ALIGNMENT  # a gap: one past the end is no allocation
     ALLOCATIONS[pointer] = buffer
     PEAK[0] = max(PEAK[0], used_bytes())
     return (cudaError_t.cudaSuccess, pointer)
@@ -121,9 +127,25 @@ def cudaFree(pointer: int):  # noqa: N802
 
 def allocation_of(pointer: int, count: int) -> np.ndarray | None:
     """The allocation that holds ``count`` bytes from ``pointer`` (None when no single one does)."""
+    found = _find(pointer, count)
+    return None if found is None else found[1]
+
+
+def device_bytes(pointer: int, count: int | None = None) -> np.ndarray | None:
+    """The ``count`` bytes from ``pointer`` (None: to its allocation's end) as a view of the allocation; None when
+    no single allocation holds them."""
+    found = _find(pointer, 1 if count is None else count)
+    if found is None:
+        return None
+    start, buffer = found
+    end = buffer.nbytes if count is None else pointer - start + count
+    return buffer[pointer - start : end]
+
+
+def _find(pointer: int, count: int) -> tuple[int, np.ndarray] | None:
     for start, buffer in ALLOCATIONS.items():
         if start <= pointer and pointer + count <= start + buffer.nbytes:
-            return buffer
+            return start, buffer
     return None
 
 
@@ -134,14 +156,20 @@ def cudaMemcpyAsync(dst: int, src: int, count: int, kind: cudaMemcpyKind, stream
 
 
 def cudaMemcpy(dst: int, src: int, count: int, kind: cudaMemcpyKind):  # noqa: N802
-    device_side = {
-        cudaMemcpyKind.cudaMemcpyHostToDevice: (dst,),
-        cudaMemcpyKind.cudaMemcpyDeviceToHost: (src,),
-        cudaMemcpyKind.cudaMemcpyDeviceToDevice: (dst, src),
-    }.get(cudaMemcpyKind(kind), ())
-    if any(allocation_of(int(pointer), int(count)) is None for pointer in device_side):
+    dst, src, count = int(dst), int(src), int(count)
+    to_device, from_device = {
+        cudaMemcpyKind.cudaMemcpyHostToDevice: (True, False),
+        cudaMemcpyKind.cudaMemcpyDeviceToHost: (False, True),
+        cudaMemcpyKind.cudaMemcpyDeviceToDevice: (True, True),
+    }.get(cudaMemcpyKind(kind), (False, False))
+    target = device_bytes(dst, count) if to_device else None
+    source = device_bytes(src, count) if from_device else None
+    if (to_device and target is None) or (from_device and source is None):
         return (cudaError_t.cudaErrorInvalidValue,)
-    ctypes.memmove(int(dst), int(src), int(count))
+    if count:
+        target_address = target.ctypes.data if to_device else dst
+        source_address = source.ctypes.data if from_device else src
+        ctypes.memmove(target_address, source_address, count)
     return (cudaError_t.cudaSuccess,)
 
 

@@ -513,18 +513,16 @@ class IExecutionContext:
                 return False  # a dynamic input whose shape was never set
             dtype = np.dtype(_NUMPY[value.type])
             count = int(np.prod(shape)) * dtype.itemsize
-            buffer = cudart.allocation_of(self.addresses[name], count)
-            if buffer is None:
+            data = cudart.device_bytes(self.addresses[name], count)
+            if data is None:
                 return False
-            offset = self.addresses[name] - buffer.ctypes.data
-            feeds[name] = buffer[offset : offset + count].view(dtype).reshape(shape).copy()
+            feeds[name] = data.view(dtype).reshape(shape).copy()
         results = engine.run(feeds, stream)
         for name, result in zip(engine.outputs, results, strict=True):
             data = np.ascontiguousarray(result).view(np.uint8).reshape(-1)
-            buffer = cudart.allocation_of(self.addresses[name], data.nbytes)
-            if buffer is None:
+            target = cudart.device_bytes(self.addresses[name], data.nbytes)
+            if target is None:
                 return False  # the output does not fit the buffer bound to it
-            offset = self.addresses[name] - buffer.ctypes.data
-            buffer[offset : offset + data.nbytes] = data
+            target[:] = data
         RUNS.append(str(engine.graph))
         return True
