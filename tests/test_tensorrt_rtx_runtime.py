@@ -46,7 +46,9 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("EDGEC_CACHE_DIR", str(tmp_path / "cache"))
     fake_trt.RUNS.clear()
     yield
+    leaked = cudart.leaked_after_collection()
     cudart.reset()
+    assert leaked is None, leaked
 
 
 def _register(bundle) -> None:

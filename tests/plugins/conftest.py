@@ -61,8 +61,10 @@ def fake_gpu(monkeypatch, tmp_path):
     fake_trt.RUNS.clear()
     fake_trt.PLUGIN_RUNS.clear()
     yield
+    leaked = cudart.leaked_after_collection()
     fake_trt.REGISTRY.creators.clear()
     cudart.reset()
+    assert leaked is None, leaked
 
 
 def register_plugin_bundle(bundle) -> None:
