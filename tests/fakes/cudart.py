@@ -5,8 +5,9 @@ driver makes: a pointer must come from ``cudaMalloc`` and a copy must fit inside
 would corrupt GPU memory is an error here), a freed pointer is gone, a stream must exist. A device allocation is a
 numpy buffer (``allocation_of``/``device_bytes`` give the fake engine and kernels the very bytes the backend copied);
 its "device pointer" is an address of a device space of its own that is never handed out twice, not even after
-``reset``. So a pointer kept past a free or a reset (a finalizer of an earlier test's state running late) is an
-invalid pointer, as on a real device, never another allocation that numpy happened to place at the same address.
+``reset``. So a pointer used past its free or a reset (a double free; a finalizer of an earlier test's state
+running late) is an invalid pointer every time, never another allocation that numpy happened to place at the
+same address (a real device may reuse an address too, which would make such a bug show only now and then).
 ``DEVICES`` sets what the machine has (0 devices: the driver reports cudaErrorNoDevice, as on a machine without
 a GPU).
 """
