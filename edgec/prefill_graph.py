@@ -270,7 +270,9 @@ def fold_chunk_rotary(model: Any, context: int) -> int:
     if position_ids is None:
         return 0
     owners = _branch_owners(graph)
-    existing = {id(value) for node in graph.all_nodes() for value in node.outputs}
+    # the values themselves, not their ids: a node removed below frees its outputs, and a value made later may
+    # take a freed one's address (its id), which would then escape the renaming at the end
+    existing = {value for node in graph.all_nodes() for value in node.outputs}
     tables: dict[Any, tuple[Any, Any]] = {}
     folded = 0
     for kernel in [node for node in graph if _is_chunk_kernel(node)]:
@@ -329,8 +331,8 @@ def fold_chunk_rotary(model: Any, context: int) -> int:
         onnx_ir.passes.common.RemoveUnusedNodesPass()(model)
         # each graph names what is inserted into it (val_0, ...): the 30 appending branches' names would repeat,
         # and a model's names must be unique across its subgraphs
-        named = existing | {id(value) for value in graph.outputs}
-        made = [v for node in graph.all_nodes() for v in node.outputs if id(v) not in named]
+        named = existing | set(graph.outputs)
+        made = [v for node in graph.all_nodes() for v in node.outputs if v not in named]
         for index, value in enumerate(made):
             value.name = f"chunk_rotary_{index}"
     return folded
@@ -372,12 +374,12 @@ def _kernel_total(kernel: Any) -> Any:
     return total if total is not None and total.op_type == "Add" else None
 
 
-def _branch_owners(graph: Any) -> dict[int, tuple[Any, str]]:
-    """Every subgraph of ``graph``'s If nodes (nested ones too), by id → (the main graph's If, its attribute)."""
-    owners: dict[int, tuple[Any, str]] = {}
+def _branch_owners(graph: Any) -> dict[Any, tuple[Any, str]]:
+    """Every subgraph of ``graph``'s If nodes (nested ones too) → (the main graph's If, its attribute)."""
+    owners: dict[Any, tuple[Any, str]] = {}
 
     def walk(subgraph: Any, owner: tuple[Any, str]) -> None:
-        owners[id(subgraph)] = owner
+        owners[subgraph] = owner
         for node in subgraph:
             for attribute in node.attributes.values():
                 if attribute.type == 5:  # AttributeType.GRAPH
@@ -390,20 +392,15 @@ def _branch_owners(graph: Any) -> dict[int, tuple[Any, str]]:
     return owners
 
 
-def _appending_switch(owners: dict[int, tuple[Any, str]], values: tuple[Any, ...]) -> Any:
+def _appending_switch(owners: dict[Any, tuple[Any, str]], values: tuple[Any, ...]) -> Any:
     """The main graph's If (``compressed_function._appending``) whose branches hold every subgraph use of
     ``values``, when its then-branch is the appending one; else None."""
     from edgec.kvcache.compressed_function import APPEND_OR_JUDGE
 
-    switches = {
-        id(owners[id(use.node.graph)][0]): owners[id(use.node.graph)][0]
-        for value in values
-        for use in value.uses()
-        if id(use.node.graph) in owners
-    }
+    switches = {owners[use.node.graph][0] for value in values for use in value.uses() if use.node.graph in owners}
     if len(switches) != 1:
         return None
-    switch = next(iter(switches.values()))
+    switch = next(iter(switches))
     return switch if switch.attributes["then_branch"].value.name == APPEND_OR_JUDGE[0] else None
 
 
@@ -449,7 +446,7 @@ def _only_used_where_expected(chain: list[Any], qkv: tuple[Any, Any, Any], appen
                     if _is_chunk_kernel_packing(reader):
                         continue
                     return False
-                owner = owners.get(id(reader.graph))
+                owner = owners.get(reader.graph)
                 if owner is None or owner[0] is not switch:
                     return False
                 appending = reader.graph is append and reader.op_type == "Identity" and value in (k, v)

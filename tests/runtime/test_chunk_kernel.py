@@ -6,6 +6,7 @@ everywhere (where the kernel's output is not taken it writes one row into an emp
 
 from __future__ import annotations
 
+import collections
 from functools import partial
 
 import numpy as np
@@ -178,6 +179,28 @@ def test_the_kernel_applies_rope_to_the_packed_projection(fp32_slots, fp32_slots
     assert {node.op_type for node in graph.node}.isdisjoint({"RotaryEmbedding", "Transpose"})
     unfolded = onnx.load(fp32_slots_unfolded / "prefill.onnx", load_external_data=False).graph
     assert _rotary_nodes(unfolded).count(0) == 2 * layers
+
+
+def _defined_names(graph: onnx.GraphProto) -> list[str]:
+    """Every name a node output defines in ``graph`` and its subgraphs (nested ones too)."""
+    names = []
+    for node in graph.node:
+        names += [name for name in node.output if name]
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                names += _defined_names(attribute.g)
+    return names
+
+
+def test_every_value_the_folding_makes_has_a_name_of_its_own(fp32_slots):
+    """The folding inserts nodes into the main graph and into each layer's appending branch, whose graphs name
+    them alike (val_0, ...); it renames every value it made, so no name is defined twice across the model's graphs
+    (ONNX requires it, and a branch's name equal to an outer value's would shadow it)."""
+    graph = onnx.load(fp32_slots / "prefill.onnx", load_external_data=False).graph
+    names = _defined_names(graph) + [value.name for value in graph.input] + [t.name for t in graph.initializer]
+    repeated = [name for name, count in collections.Counter(names).items() if count > 1]
+    assert not repeated
+    assert any(name.startswith("chunk_rotary_") for name in names)
 
 
 @pytest.mark.parametrize("mode", ["proved", "never"])
