@@ -431,14 +431,14 @@ def _only_used_where_expected(chain: list[Any], qkv: tuple[Any, Any, Any], appen
     """Every output of ``chain`` read only by the chain itself, the main graph's Shapes of q/k/v, Identities of k
     and v in the appending branch, or anything in the switch's other (judged) branch."""
     q, k, v = qkv
-    members = {id(node) for node in chain}
+    members = set(chain)
     for node in chain:
         for value in node.outputs:
             if value.is_graph_output():
                 return False
             for use in value.uses():
                 reader = use.node
-                if id(reader) in members:
+                if reader in members:
                     continue
                 if reader.graph is node.graph:
                     if reader.op_type == "Shape" and value in qkv:
@@ -860,7 +860,7 @@ def _merge_repeats(graph: Any, roots: list[Any]) -> int:
     import numpy as np
     import onnx_ir as ir
 
-    derived = {id(value) for value in roots}
+    derived = set(roots)  # the values (by identity), not their ids, which a value made later could reuse
 
     def small_constant(value: Any) -> tuple | None:
         producer = value.producer()
@@ -886,8 +886,8 @@ def _merge_repeats(graph: Any, roots: list[Any]) -> int:
             return None
         inputs: list = []
         for value in node.inputs:
-            if value is None or id(value) in derived:
-                inputs.append(None if value is None else id(value))
+            if value is None or value in derived:
+                inputs.append(value)
                 continue
             constant = small_constant(value)
             if constant is None:
@@ -899,14 +899,14 @@ def _merge_repeats(graph: Any, roots: list[Any]) -> int:
     seen: dict[tuple, Any] = {}
     removed = 0
     for node in list(graph):
-        if not any(value is not None and id(value) in derived for value in node.inputs):
+        if not any(value is not None and value in derived for value in node.inputs):
             continue
         node_key = key(node)
         if node_key is None:
             continue
         first = seen.setdefault(node_key, node)
         if first is node or any(output.is_graph_output() for output in node.outputs):
-            derived.update(id(output) for output in node.outputs)
+            derived.update(node.outputs)
             continue
         for old, new in zip(node.outputs, first.outputs, strict=True):
             ir.convenience.replace_all_uses_with(old, new)
