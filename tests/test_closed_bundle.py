@@ -162,6 +162,74 @@ def test_external_data_outside_the_bundle_is_refused(bundle, outside, location, 
     refused_everywhere(bundle, outside, "stores its data", needle)
 
 
+def _outside_tensor(onnx, name: str):
+    """A float tensor whose 16 bytes an attacker says lie outside the bundle."""
+    tensor = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=[4])
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", "../outside/model.onnx.data"), ("offset", "0"), ("length", "16")):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    return tensor
+
+
+def _hide_sparse_initializer(onnx, model) -> None:
+    indices = onnx.helper.make_tensor("hidden_indices", onnx.TensorProto.INT64, [4], [0, 1, 2, 3])
+    model.graph.sparse_initializer.append(onnx.helper.make_sparse_tensor(_outside_tensor(onnx, "hidden"), indices, [8]))
+
+
+def _hide_sparse_attribute(onnx, model) -> None:
+    indices = onnx.helper.make_tensor("hidden_indices", onnx.TensorProto.INT64, [4], [0, 1, 2, 3])
+    sparse = onnx.helper.make_sparse_tensor(_outside_tensor(onnx, "hidden"), indices, [8])
+    model.graph.node.append(onnx.helper.make_node("Constant", [], ["hidden_out"], sparse_value=sparse))
+
+
+def _hide_in_a_branch(onnx, model) -> None:
+    """A Constant's tensor in an If's branch, two levels down."""
+
+    def branch(name: str, inner=None):
+        nodes = [onnx.helper.make_node("Constant", [], [f"{name}_out"], value=_outside_tensor(onnx, name))]
+        if inner is not None:
+            nodes.append(inner)
+        out = onnx.helper.make_tensor_value_info(f"{name}_out", onnx.TensorProto.FLOAT, [4])
+        return onnx.helper.make_graph(nodes, name, [], [out])
+
+    flag = onnx.helper.make_tensor("hidden_flag", onnx.TensorProto.BOOL, [], [True])
+    model.graph.initializer.append(flag)
+    deep = onnx.helper.make_node("If", ["hidden_flag"], ["deep_out"], then_branch=branch("a"), else_branch=branch("b"))
+    node = onnx.helper.make_node(
+        "If", ["hidden_flag"], ["hidden_out"], then_branch=branch("c", deep), else_branch=branch("d")
+    )
+    model.graph.node.append(node)
+
+
+def _hide_in_a_function(onnx, model) -> None:
+    constant = onnx.helper.make_node("Constant", [], ["y"], value=_outside_tensor(onnx, "hidden"))
+    function = onnx.helper.make_function("hidden.domain", "Hidden", [], ["y"], [constant], model.opset_import)
+    model.functions.append(function)
+
+
+def _hide_in_training_info(onnx, model) -> None:
+    graph = onnx.helper.make_graph([], "initialization", [], [], initializer=[_outside_tensor(onnx, "hidden")])
+    model.training_info.add().initialization.CopyFrom(graph)
+
+
+@pytest.mark.parametrize(
+    "hide",
+    [_hide_sparse_initializer, _hide_sparse_attribute, _hide_in_a_branch, _hide_in_a_function, _hide_in_training_info],
+    ids=["sparse-initializer", "sparse-attribute", "nested-branch", "function", "training-info"],
+)
+def test_external_data_anywhere_in_the_graph_is_refused(bundle, outside, hide):
+    """onnx_scan reads every tensor of the file, not only the main graph's initializers: one that names a file
+    outside the bundle is refused wherever it hides (ONNX Runtime would follow some of these paths itself)."""
+    import onnx
+
+    model = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
+    hide(onnx, model)
+    onnx.save(model, str(bundle / "model.onnx"))
+    rehash(bundle, "model.onnx")
+    refused_everywhere(bundle, outside, "stores its data", "'..' part")
+
+
 def test_an_unknown_domain_op_is_one_line(bundle, outside):
     """Issue 15.8: an op of a domain no runtime has; ONNX Runtime's traceback never reaches the user."""
     import onnx
