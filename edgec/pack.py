@@ -58,6 +58,7 @@ cd "$(dirname "$0")"
 echo "installed; try: .venv/bin/python -m edgec.runtime BUNDLE \\"Your prompt\\""
 """
 MAX_MEMBERS = 10_000
+MAX_END_BYTES = 1 << 20  # the zero blocks after the last member (a tar writer pads them to its record size)
 PACK_SCHEMA = Closed(
     {
         "pack_format": int,
@@ -288,7 +289,22 @@ def _members(tar: tarfile.TarFile, archive: Path) -> dict[str, tarfile.TarInfo]:
             files[name] = member
     except tarfile.TarError as error:
         raise BundleError(f"{archive} is not a readable tar archive ({error})") from None
+    _check_whole(tar, archive)
     return files
+
+
+def _check_whole(tar: tarfile.TarFile, archive: Path) -> None:
+    """tarfile stops without a word at a header it cannot read after the first, so a pack cut off in a member (a
+    broken download) or damaged in a header would read as one whose later members are missing. A whole tar ends
+    in zero blocks (at least two; writers pad them to a record) and nothing else."""
+    with open(archive, "rb") as handle:
+        handle.seek(tar.offset)  # where tarfile stopped: the first header it did not read
+        tail = handle.read(MAX_END_BYTES + 1)
+    if len(tail) < 2 * tarfile.BLOCKSIZE or len(tail) > MAX_END_BYTES or tail.strip(b"\0"):
+        raise BundleError(
+            f"{archive} does not end as a whole tar archive does (cut off, damaged, or bytes after its end): "
+            "download or copy it again"
+        )
 
 
 def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int) -> bytes:

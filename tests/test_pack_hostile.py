@@ -343,3 +343,81 @@ def test_unpack_never_writes_outside_its_folder(tiny_bundle, tmp_path):
             unpack(bad, tmp_path / "out")
     assert sorted(os.listdir(tmp_path)) == ["bad.tar", "good.tar"]
     assert not os.path.exists("/tmp/escaped-edgec.txt")
+
+
+def _pack_info_edited(change):
+    """A repack whose PACK.json ``change(info)`` edits (the attacker keeps every member's hash right)."""
+
+    def edit(members):
+        data = dict(members)
+        info = json.loads(data["PACK.json"])
+        change(info)
+        data["PACK.json"] = json.dumps(info).encode()
+        return list(data.items())
+
+    return edit
+
+
+def _any_entry(info) -> dict:
+    return dict(next(iter(info["files"].values())))
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (lambda info: info["wheels"].append("../evil-1.0-py3-none-any.whl"), "which is not a wheel's file name"),
+        (lambda info: info["wheels"].append("evil.zip"), "which is not a wheel's file name"),
+        (lambda info: info["files"].update({"../evil.txt": _any_entry(info)}), "has an unsafe path '../evil.txt'"),
+        (lambda info: info["files"].update({"other/x.txt": _any_entry(info)}), "belongs to no part of a pack"),
+        (lambda info: info["files"].pop("tiny.cpu.edgec/manifest.json"), "has no tiny.cpu.edgec/manifest.json"),
+        (lambda info: info["wheels"].append("ghost-1.0-py3-none-any.whl"), "PACK.json.wheels and the wheels in"),
+        (lambda info: info["files"].update({"install.sh": _any_entry(info)}), "come with wheels, and only with them"),
+    ],
+    ids=["wheel-path", "wheel-name", "unsafe-file", "stray-file", "no-manifest", "ghost-wheel", "install-no-wheels"],
+)
+def test_a_pack_json_that_cannot_be_a_pack_s_is_refused(tiny_bundle, tmp_path, change, needle):
+    """PACK.json's member set must be a pack's: wheels by plain wheel names, every file inside a part of the pack,
+    the bundle's manifest listed, wheels and their installer together."""
+    good = pack(tiny_bundle, tmp_path / "good.tar")
+    bad = rewrite(good, tmp_path / "bad.tar", _pack_info_edited(change))
+    assert_refused(bad, tmp_path / "out", "PACK.json", needle)
+
+
+def test_a_truncated_archive_is_one_line(tiny_bundle, tmp_path):
+    """A pack cut off (a broken download) is refused as such, not as one whose later members are missing (tarfile
+    stops without a word at a header it cannot read); so are bytes after its end. Nothing is written."""
+    good = pack(tiny_bundle, tmp_path / "good.tar")
+    with tarfile.open(good) as tar:
+        second = tar.getmembers()[1].offset  # where the second member's header starts
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(good.read_bytes()[: second + 100])
+    assert_refused(cut, tmp_path / "out", "does not end as a whole tar archive does")
+    whole = good.read_bytes()
+    for name, data in (("headless.tar", whole[:second]), ("trailing.tar", whole + b"x" * 512)):
+        (tmp_path / name).write_bytes(data)  # cut right before a header; bytes after the end
+        assert_refused(tmp_path / name, tmp_path / "out", "does not end as a whole tar archive does")
+
+
+def test_folder_members_are_skipped_and_a_climbing_one_refused(tiny_bundle, tmp_path):
+    """Another tar tool's repack lists the bundle's folder as a member of its own: unpacked as before. A folder
+    member whose name climbs out of the output is refused like a file's."""
+    good = pack(tiny_bundle, tmp_path / "good.tar")
+
+    def with_folder(name: str):
+        def add(source_path, target_path):
+            with tarfile.open(source_path) as source, tarfile.open(target_path, "w") as target:
+                folder = tarfile.TarInfo(name)
+                folder.type = tarfile.DIRTYPE
+                target.addfile(folder)
+                for member in source.getmembers():
+                    target.addfile(member, source.extractfile(member))
+            return target_path
+
+        return add
+
+    repacked = with_folder("tiny.cpu.edgec/")(good, tmp_path / "folders.tar")
+    bundle = unpack(repacked, tmp_path / "site")
+    assert Model.load(bundle, check_hashes=True)
+    climbing = with_folder("../escaped/")(good, tmp_path / "climbing.tar")
+    assert_refused(climbing, tmp_path / "out", "refusing archive member '../escaped'")
+    assert not (tmp_path / "escaped").exists()
