@@ -232,3 +232,43 @@ def test_without_cryptography_trust_is_one_clear_line(signed_bundle, keys):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ})
     assert done.returncode == 0, done.stderr
     assert "pip install 'edgec[trust]'" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[]", "{}", '"signature"', "null", "format-change", "extra-field"],
+    ids=["list", "empty", "string", "null", "newer-format", "extra-field"],
+)
+def test_a_signature_file_that_is_not_edgec_s_is_one_line(signed_copy, keys, text):
+    """signature.json from an attacker: not an object, missing fields, a format this edgec does not know or a field
+    it does not expect. Refused in one line naming the file, never a traceback."""
+    path = signed_copy / "signature.json"
+    if text in ("format-change", "extra-field"):
+        record = json.loads(path.read_text())
+        record |= {"format": record["format"] + "-next"} if text == "format-change" else {"comment": "trust me"}
+        text = json.dumps(record)
+    path.write_text(text)
+    with pytest.raises(SignatureError, match=r"signature\.json in .* is not an edgec signature"):
+        Model.load(signed_copy, trust=keys["pub"])
+    assert "is not an edgec signature" in one_error_line(
+        invoke("run", signed_copy, PROMPT, "-n", "1", "--trust", keys["pub"])
+    )
+    assert invoke("verify", signed_copy, "--trust", keys["pub"]).exit_code == 1
+
+
+def test_a_trust_key_of_another_kind_or_size_is_one_line(tmp_path, signed_bundle):
+    """--trust with an EC public key, or a file far larger than any key (read no further than the limit)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    public = ec.generate_private_key(ec.SECP256R1()).public_key()
+    (tmp_path / "ec.pub").write_bytes(
+        public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    with pytest.raises(KeyFileError, match="not an Ed25519 public key"):
+        Model.load(signed_bundle, trust=tmp_path / "ec.pub")
+    (tmp_path / "huge.pub").write_bytes(b"-----BEGIN PUBLIC KEY-----\n" + b"A" * (1 << 20))
+    with pytest.raises(KeyFileError, match="larger than 65,536 bytes"):
+        Model.load(signed_bundle, trust=tmp_path / "huge.pub")
+    for name in ("ec.pub", "huge.pub"):
+        assert "public key" in one_error_line(invoke("verify", signed_bundle, "--trust", tmp_path / name))
