@@ -25,7 +25,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from edgec.errors import BuildError, BundleError, SignatureError
 from edgec.manifest_schema import UNLISTED, manifest_errors, path_problem, show
@@ -92,18 +92,31 @@ def write_npz(path: Path, arrays: dict[str, Any]) -> None:
 
 
 # --- reading ----------------------------------------------------------------------------------------------------
+def open_regular_file(path: str | Path, follow_links: bool = True) -> BinaryIO | None:
+    """``path`` opened for reading if it is a regular file, else None; raises OSError. Never waits: a plain open
+    of a FIFO waits for a writer, forever, and a hostile folder's ``manifest.json`` may be one. So the open does
+    not block (no effect on a regular file's reads) and the file's type is checked on what was opened."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow_links else getattr(os, "O_NOFOLLOW", 0))
+    handle = os.open(path, flags)
+    stream = os.fdopen(handle, "rb")
+    if not stat.S_ISREG(os.fstat(handle).st_mode):
+        stream.close()
+        return None
+    return stream
+
+
 def read_json(path: Path, limit: int = MAX_MANIFEST_BYTES) -> Any:
     """A JSON document from a file nobody vouches for: a regular file (not a link) of at most ``limit`` bytes,
     UTF-8, no NaN or Infinity, no duplicate keys, no absurd nesting or numbers. Raises BundleError."""
     try:
-        handle = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        stream = open_regular_file(path, follow_links=False)
     except OSError as error:
         if os.path.islink(path):
             raise BundleError(f"{path} is a symbolic link; a bundle holds only regular files") from None
         raise BundleError(f"cannot read {path}: {error.strerror or error}") from None
-    with os.fdopen(handle, "rb") as stream:
-        if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
-            raise BundleError(f"{path} is not a regular file")
+    if stream is None:
+        raise BundleError(f"{path} is not a regular file")
+    with stream:
         data = stream.read(limit + 1)
     if len(data) > limit:
         raise BundleError(f"{path} is larger than {limit:,} bytes: not a file edgec wrote")

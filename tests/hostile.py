@@ -86,3 +86,34 @@ class FileWatch:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def fifo_in_place_of(path: Path) -> Path:
+    """``path`` replaced by a named pipe with no writer: a plain open() of it waits forever."""
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+def raised_within(seconds: float, call, fifo: Path) -> BaseException | None:
+    """What ``call()`` raised (None if it returned), failing the test when it takes longer than ``seconds`` — as
+    it would waiting on ``fifo`` — instead of hanging the suite: the pipe then gets a writer so the call ends."""
+    import threading
+
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as error:  # noqa: BLE001  (handed to the test)
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the waiting open returns; the call ends
+        thread.join(seconds)
+        pytest.fail(f"the call waited on the named pipe {fifo.name} for more than {seconds} s")
+    return outcome[0]

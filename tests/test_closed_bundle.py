@@ -18,7 +18,16 @@ from edgec.errors import BundleError
 from edgec.manifest_schema import manifest_errors
 from edgec.runtime import Model
 from edgec.verify import verify
-from tests.hostile import FileWatch, copy_bundle, edit_manifest, file_entry, read_manifest, rehash
+from tests.hostile import (
+    FileWatch,
+    copy_bundle,
+    edit_manifest,
+    fifo_in_place_of,
+    file_entry,
+    raised_within,
+    read_manifest,
+    rehash,
+)
 
 
 def invoke(*args):
@@ -116,6 +125,28 @@ def test_a_symbolic_link_is_refused(bundle, outside):
     (bundle / "tokenizer.json").unlink()
     os.symlink(outside / "tokenizer.json", bundle / "tokenizer.json")
     refused_everywhere(bundle, outside, "symbolic link")
+
+
+@pytest.fixture(scope="module")
+def trusted_key(tmp_path_factory):
+    from edgec.signing import generate_keypair
+
+    return generate_keypair(tmp_path_factory.mktemp("keys") / "release")[1]
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "signature.json"])
+def test_a_named_pipe_is_refused_without_waiting(bundle, trusted_key, name):
+    """A bundle folder copied from somewhere holds a named pipe as its manifest (or signature): refused at once
+    as not a regular file, where a plain open would wait for a writer forever."""
+    pipe = fifo_in_place_of(bundle / name)
+    error = raised_within(30, lambda: Model.load(bundle, trust=trusted_key), pipe)
+    assert isinstance(error, BundleError) and "is not a regular file" in str(error), error
+    results = []
+    assert (
+        raised_within(30, lambda: results.append(invoke("run", bundle, "hi", "-n", "1", "--trust", trusted_key)), pipe)
+        is None
+    )
+    assert_one_error_line(results[0], "not a regular file")
 
 
 def test_a_linked_folder_is_refused(bundle, outside):

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from edgec.bundle import open_regular_file
 from edgec.errors import StateFileError, one_line
 
 MAGIC = b"EDGECKV\x01"
@@ -109,7 +110,10 @@ def read_state(path: Path, identity: str, expected: dict[str, tuple], context: i
     path = Path(path)
     where = one_line(path)
     try:
-        with open(path, "rb") as file:
+        opened = open_regular_file(path)
+        if opened is None:  # a FIFO or a device: opened without waiting, never read
+            raise StateFileError(f"{where} is not a regular file")
+        with opened as file:
             head = file.read(len(MAGIC) + 4)
             if len(head) < len(MAGIC) + 4 or head[: len(MAGIC)] != MAGIC:
                 raise StateFileError(f"{where} is not an edgec cache state file")

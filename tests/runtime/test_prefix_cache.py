@@ -15,6 +15,7 @@ from edgec.errors import GenerationError, StateFileError
 from edgec.runtime import Model
 from edgec.runtime import prefix_cache as pc
 from tests.conftest import pydoc_text
+from tests.hostile import fifo_in_place_of, raised_within
 from tests.test_cli import assert_clean_failure
 
 
@@ -166,3 +167,19 @@ def test_a_state_of_another_bundle_is_refused(compressed_bundle, tiny_bundle, id
     with pytest.raises(StateFileError, match="this bundle's is"):  # another capacity: another state
         Model.load(compressed_bundle, kv_capacity=32).load_state(tmp_path / "c.edgeckv")
     assert pc.find_prefix(tmp_path / "missing", ["a"]) is None
+
+
+def test_a_named_pipe_in_the_prefix_cache_is_refused_without_waiting(compressed_bundle, ids, tmp_path):
+    """A state file that is a named pipe (``load_state``, or found in ``--prefix-cache``): refused at once, where
+    a plain open would wait for a writer forever."""
+    model = Model.load(compressed_bundle)
+    prompt = model.decode(ids[:60])
+    prompt_ids = np.asarray(model.encode(prompt))
+    name = pc.prefix_keys(model._cache_identity(), prompt_ids, np.zeros(len(prompt_ids), bool))[-1] + pc.SUFFIX
+    pipe = fifo_in_place_of(tmp_path / name)
+    error = raised_within(30, lambda: model.load_state(pipe), pipe)
+    assert isinstance(error, StateFileError) and "is not a regular file" in str(error), error
+    args = ["run", str(compressed_bundle), prompt, "-n", "2", "-q", "--prefix-cache", str(tmp_path)]
+    results = []
+    assert raised_within(30, lambda: results.append(CliRunner().invoke(main, args)), pipe) is None
+    assert_clean_failure(results[0], "not a regular file")
