@@ -213,6 +213,8 @@ def _inspect_folder(path: Path, allow_pickle: bool) -> dict[str, Any]:
 
 def _check_safetensors(path: Path) -> None:
     """Header parses and every tensor lies inside the file: catches truncation and garbage early."""
+    if not path.is_file():  # a named pipe's open would wait for a writer forever (a link to a file is fine)
+        raise ModelLoadError(f"{path.name} is not a regular file; re-download or re-save the weights")
     size = path.stat().st_size
     try:
         with open(path, "rb") as handle:

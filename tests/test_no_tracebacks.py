@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from edgec.cli import main
-from tests.hostile import copy_bundle, edit_manifest
+from tests.hostile import copy_bundle, edit_manifest, fifo_in_place_of, raised_within
 
 
 def invoke(*args):
@@ -68,6 +68,17 @@ def test_a_safetensors_header_that_is_not_a_table(tmp_path, tiny_llama, header):
     model = _safetensors_with_header(tmp_path / "model", tiny_llama, header)
     line = one_error_line(invoke("build", model, "-o", tmp_path / "out.edgec"))
     assert "model.safetensors is not a valid safetensors file" in line
+
+
+def test_a_named_pipe_among_the_weights_is_one_line(tmp_path, tiny_llama):
+    """A model folder whose ``*.safetensors`` is a named pipe: refused at once, where opening it waits forever."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    pipe = fifo_in_place_of(model / "model.safetensors")
+    results = []
+    assert raised_within(30, lambda: results.append(invoke("build", model, "-o", tmp_path / "out.edgec")), pipe) is None
+    assert "model.safetensors is not a regular file" in one_error_line(results[0])
+    assert not (tmp_path / "out.edgec").exists()
 
 
 @pytest.mark.parametrize(
