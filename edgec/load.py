@@ -178,6 +178,13 @@ def _shape(config, name: str, where: Path) -> ModelShape:
 
 
 def _inspect_folder(path: Path, allow_pickle: bool) -> dict[str, Any]:
+    for entry in sorted(path.iterdir()):
+        # transformers opens the folder's files by name: a named pipe's open waits for a writer forever
+        if not (entry.is_file() or entry.is_dir()):
+            raise ModelLoadError(
+                f"{entry.name} in {path} is not a regular file (a named pipe, socket or device, or a link to "
+                "nothing): a model folder holds files; re-download or re-save it"
+            )
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{path} has no config.json; give a Hugging Face model folder or a .gguf file")
@@ -213,8 +220,6 @@ def _inspect_folder(path: Path, allow_pickle: bool) -> dict[str, Any]:
 
 def _check_safetensors(path: Path) -> None:
     """Header parses and every tensor lies inside the file: catches truncation and garbage early."""
-    if not path.is_file():  # a named pipe's open would wait for a writer forever (a link to a file is fine)
-        raise ModelLoadError(f"{path.name} is not a regular file; re-download or re-save the weights")
     size = path.stat().st_size
     try:
         with open(path, "rb") as handle:

@@ -70,14 +70,16 @@ def test_a_safetensors_header_that_is_not_a_table(tmp_path, tiny_llama, header):
     assert "model.safetensors is not a valid safetensors file" in line
 
 
-def test_a_named_pipe_among_the_weights_is_one_line(tmp_path, tiny_llama):
-    """A model folder whose ``*.safetensors`` is a named pipe: refused at once, where opening it waits forever."""
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json", "config.json"])
+def test_a_named_pipe_in_a_model_folder_is_one_line(tmp_path, tiny_llama, name):
+    """A model folder holding a named pipe (as its weights, its tokenizer, its config): refused at once, where
+    opening it (edgec's reads, or transformers') waits for a writer forever."""
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
-    pipe = fifo_in_place_of(model / "model.safetensors")
+    pipe = fifo_in_place_of(model / name)
     results = []
     assert raised_within(30, lambda: results.append(invoke("build", model, "-o", tmp_path / "out.edgec")), pipe) is None
-    assert "model.safetensors is not a regular file" in one_error_line(results[0])
+    assert f"{name} in {model} is not a regular file" in one_error_line(results[0])
     assert not (tmp_path / "out.edgec").exists()
 
 
