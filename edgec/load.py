@@ -147,6 +147,8 @@ def inspect_source(path: str | Path, allow_pickle: bool = False) -> dict[str, An
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf; give a Hugging Face model folder or a .gguf file")
         return _inspect_gguf(path)
+    if not path.is_dir():  # a named pipe, a socket, a device
+        raise ModelLoadError(f"{path} is neither a file nor a folder; give a Hugging Face model folder or a .gguf file")
     return _inspect_folder(path, allow_pickle)
 
 

@@ -70,6 +70,16 @@ def test_a_safetensors_header_that_is_not_a_table(tmp_path, tiny_llama, header):
     assert "model.safetensors is not a valid safetensors file" in line
 
 
+def test_a_model_path_that_is_neither_a_file_nor_a_folder_is_one_line(tmp_path):
+    """``edgec build /dev/null`` or a named pipe as the model: one line, never a read or a traceback."""
+    pipe = fifo_in_place_of(tmp_path / "model.gguf")
+    for model in ("/dev/null", pipe):
+        line = one_error_line(invoke("build", model, "-o", tmp_path / "out.edgec"))
+        assert "is neither a file nor a folder" in line
+        assert str(model) in one_error_line(invoke("plan", model))  # plan names what it takes instead
+    assert not (tmp_path / "out.edgec").exists()
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json", "config.json"])
 def test_a_named_pipe_in_a_model_folder_is_one_line(tmp_path, tiny_llama, name):
     """A model folder holding a named pipe (as its weights, its tokenizer, its config): refused at once, where
