@@ -180,7 +180,11 @@ def _shape(config, name: str, where: Path) -> ModelShape:
 
 
 def _inspect_folder(path: Path, allow_pickle: bool) -> dict[str, Any]:
-    for entry in sorted(path.iterdir()):
+    try:
+        entries = sorted(path.iterdir())
+    except OSError as error:
+        raise ModelLoadError(f"cannot read the model folder {path}: {error.strerror or error}") from None
+    for entry in entries:
         # transformers opens the folder's files by name: a named pipe's open waits for a writer forever
         if not (entry.is_file() or entry.is_dir()):
             raise ModelLoadError(

@@ -80,6 +80,24 @@ def test_a_model_path_that_is_neither_a_file_nor_a_folder_is_one_line(tmp_path):
     assert not (tmp_path / "out.edgec").exists()
 
 
+def test_a_model_folder_that_cannot_be_listed_is_one_line(tmp_path, tiny_llama, monkeypatch):
+    """A folder without read permission (as a user other than root meets it; CI runs as root, so the listing is
+    made to fail as the system would)."""
+    import pathlib
+
+    listing = pathlib.Path.iterdir
+
+    def refused(self):
+        if self == tiny_llama:
+            raise PermissionError(13, "Permission denied", str(self))
+        return listing(self)
+
+    monkeypatch.setattr(pathlib.Path, "iterdir", refused)
+    line = one_error_line(invoke("build", tiny_llama, "-o", tmp_path / "out.edgec"))
+    assert f"cannot read the model folder {tiny_llama}: Permission denied" in line
+    assert not (tmp_path / "out.edgec").exists()
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json", "config.json"])
 def test_a_named_pipe_in_a_model_folder_is_one_line(tmp_path, tiny_llama, name):
     """A model folder holding a named pipe (as its weights, its tokenizer, its config): refused at once, where
